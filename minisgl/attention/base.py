@@ -1,0 +1,59 @@
+"""Attention backend interface: metadata prepared once per batch, a forward per layer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.kvcache.pool import KVPool
+
+
+@dataclass
+class BatchLayout:
+    """Where each request of a forward batch sits; built on the host by the scheduler.
+
+    Row i has ``extend_lens[i]`` new tokens (1 for decode) appended after ``prefix_lens[i]``
+    tokens already in the KV cache; its slot indices live in ``page_table[req_rows[i]]``.
+    Host lists are kept so backends can plan without reading device memory.
+    """
+
+    req_rows: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    page_table: torch.Tensor  # [max_requests, max_context] int32/int64 slot indices, on device
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+
+class AttentionBackend(ABC):
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    @abstractmethod
+    def prepare(self, layout: BatchLayout, device: torch.device) -> object:
+        """Build per-batch metadata (index tensors, masks, kernel plans) once for all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        out_slots: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store k/v at ``out_slots`` and attend. q: [T, Hq, D]; k, v: [T, Hk, D]; out [T, Hq*D]."""

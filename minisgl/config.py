@@ -1,0 +1,68 @@
+"""Frozen configuration dataclasses. The CLI flags and the LLM(...) keyword arguments are
+generated from these fields, so every option has one name everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # local dir, .gguf file, or HF id; None = bundled SmolLM2-135M
+    tokenizer: str | None = None
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    seed: int = 0
+    context_length: int | None = None  # cap on prompt + output tokens per request
+    page_size: int = 1
+    num_pages: int | None = None  # KV pool size in pages; default from the memory budget
+    mem_fraction_static: float = 0.85  # GPU: share of device memory for weights + KV
+    cpu_kv_cache_gb: float = 1.0  # CPU: KV pool budget
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192  # token budget per step
+    disable_mixed_batch: bool = False
+    cache: str = "radix"  # radix | naive
+    schedule_policy: str = "fcfs"  # fcfs | lpm
+    attention_backend: str = "auto"  # auto | torch | triton | flashinfer
+    cuda_graph_max_bs: int | None = None  # None = auto; 0 disables CUDA graphs
+    disable_overlap_scheduling: bool = False
+    tp_size: int = 1
+    init_new_token_ratio: float = 0.7  # admission: expected share of max_tokens still to come
+    min_new_token_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check(self.page_size >= 1, "page_size", self.page_size, "must be >= 1")
+        _check(self.num_pages is None or self.num_pages >= 2, "num_pages", self.num_pages, ">= 2")
+        _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests, ">= 1")
+        _check(self.chunked_prefill_size >= 1, "chunked_prefill_size", self.chunked_prefill_size, ">= 1")
+        _check(self.cache in ("radix", "naive"), "cache", self.cache, "radix or naive")
+        _check(self.schedule_policy in ("fcfs", "lpm"), "schedule_policy", self.schedule_policy, "fcfs or lpm")
+        _check(
+            self.load_format in ("auto", "safetensors", "gguf", "dummy"),
+            "load_format", self.load_format, "auto, safetensors, gguf or dummy",
+        )
+        _check(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype", self.dtype, "auto, float32, bfloat16 or float16",
+        )
+        _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
+        _check(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
+        _check(
+            self.context_length is None or self.context_length >= 2,
+            "context_length", self.context_length, ">= 2",
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = set(kwargs) - names
+        if unknown:
+            raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+
+def _check(ok: bool, name: str, value: Any, want: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {want}")

@@ -1,0 +1,47 @@
+"""Tensor-parallel process group over torch.distributed (NCCL on CUDA, gloo on CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+
+def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    if tp.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """Concatenate each rank's shard along the last dimension (vocab-parallel LM head)."""
+    if tp.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def init_process_group(tp: TPInfo, init_method: str, backend: str, timeout_s: float = 600.0) -> None:
+    if tp.size == 1 or dist.is_initialized():
+        return
+    import datetime
+
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_method,
+        rank=tp.rank,
+        world_size=tp.size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )

@@ -1,0 +1,172 @@
+"""The engine: loads the model, owns the KV pool and page table, runs one forward step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.config import EngineConfig
+from minisgl.distributed import TPInfo
+from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
+from minisgl.kvcache.pool import KVPool
+from minisgl.models.config import ModelConfig
+from minisgl.models.loader import init_dummy_weights, iter_safetensors, load_weights
+from minisgl.models.registry import build_model
+from minisgl.models.resolve import ResolvedModel, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def read_hf_config(resolved: ResolvedModel) -> dict[str, Any]:
+    if resolved.kind == "gguf":
+        from minisgl.models.gguf_loader import gguf_hf_config
+
+        return gguf_hf_config(resolved.path)
+    cfg = json.loads((resolved.path / "config.json").read_text())
+    gen = resolved.path / "generation_config.json"
+    if gen.exists():
+        # Instruct models list their end-of-turn ids here; HF generate stops on them too.
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            cfg["eos_token_id"] = eos
+    return dict(cfg)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, tp: TPInfo | None = None) -> None:
+        self.config = config
+        self.tp = tp or TPInfo()
+        self.device = pick_device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.tp.rank)
+        if config.dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[config.dtype]
+        self.resolved = resolve_model_path(config.model)
+        self.hf_config = read_hf_config(self.resolved)
+        self.model_config = ModelConfig.from_dict(self.hf_config)
+        cfg = self.model_config
+        # An explicit context_length may exceed the model's (as SGLang's --context-length).
+        self.context_length = config.context_length or cfg.max_position
+        torch.manual_seed(config.seed)
+        with _default_dtype(self.dtype), torch.device(self.device):
+            self.model = build_model(cfg, self.tp, max(self.context_length, cfg.max_position))
+        self.model.eval()
+        self._load_weights()
+        self.pool = self._make_pool()
+        # The context cannot exceed what the pool holds (minus one page of slack).
+        self.context_length = min(self.context_length, (self.pool.num_pages - 1) * config.page_size)
+        rows = config.max_running_requests + 1  # the extra row is scratch for padding
+        width = self.context_length + config.page_size
+        self.page_table = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        self.attn_backend = self._make_backend()
+        self.sampler = Sampler()
+        self.penalties = PenaltyState(rows, cfg.vocab_size, self.device)
+
+    # ---------------------------------------------------------------- setup
+    def _load_weights(self) -> None:
+        fmt = self.config.load_format
+        if fmt == "dummy":
+            init_dummy_weights(self.model, self.config.seed)
+            return
+        if self.resolved.kind == "gguf":
+            from minisgl.models.gguf_loader import iter_gguf_weights
+
+            load_weights(self.model, iter_gguf_weights(self.resolved.path, self.dtype))
+        else:
+            load_weights(self.model, iter_safetensors(Path(self.resolved.path), self.device))
+
+    def _make_pool(self) -> KVPool:
+        cfg, c = self.model_config, self.config
+        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # type: ignore[index]
+        per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.dtype)
+        if c.num_pages is not None:
+            num_pages = c.num_pages
+        else:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                used = total - free
+                budget = int(total * c.mem_fraction_static) - used
+            else:
+                budget = int(c.cpu_kv_cache_gb * (1 << 30))
+            # Never more than every request at full context could use.
+            want = c.max_running_requests * self.context_length // c.page_size + 1
+            num_pages = max(2, min(budget // per_page, want))
+        if self.tp.size > 1:
+            t = torch.tensor([num_pages], device=self.device if self.device.type == "cuda" else "cpu")
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            num_pages = int(t.item())
+        logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, c.page_size, num_pages * per_page / 2**30)
+        return KVPool(cfg.num_layers, num_pages, c.page_size, kv_heads, cfg.head_dim, self.dtype, self.device)
+
+    def _make_backend(self) -> AttentionBackend:
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "torch"
+        if name == "torch":
+            from minisgl.attention.torch_backend import TorchBackend
+
+            return TorchBackend(self.pool)
+        if name == "triton":
+            from minisgl.attention.triton_backend import TritonBackend
+
+            return TritonBackend(self.pool)
+        raise ValueError(f"attention_backend={name!r} is not available")
+
+    # ---------------------------------------------------------------- step
+    @torch.inference_mode()
+    def forward(
+        self,
+        layout: BatchLayout,
+        input_ids: list[int],
+        out_slots: torch.Tensor,
+        sample_rows: list[int],
+        sampling: SamplingBatch | None,
+        penalty_slots: torch.Tensor | None = None,
+    ) -> SampleOutput | None:
+        """Run the model on a batch and sample for the rows in ``sample_rows``."""
+        dev = self.device
+        positions = torch.cat(
+            [torch.arange(p, p + e) for p, e in zip(layout.prefix_lens, layout.extend_lens)]
+        )
+        ends = torch.tensor(layout.extend_lens).cumsum(0) - 1
+        logits_index = ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            out_slots=out_slots.to(dev, non_blocking=True),
+            attn_backend=self.attn_backend,
+            attn_metadata=self.attn_backend.prepare(layout, dev),
+            logits_index=logits_index.to(dev, non_blocking=True),
+        )
+        logits = self.model(batch)
+        if not sample_rows or sampling is None:
+            return None
+        return self.sampler.sample(logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots)

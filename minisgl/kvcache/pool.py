@@ -1,0 +1,51 @@
+"""The preallocated KV pool: one tensor holding every layer's K and V token slots."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V for ``num_pages * page_size`` token slots per layer, NHD layout per slot.
+
+    A slot index is ``page_id * page_size + offset``; page tables store slot indices, so
+    attention can gather any token regardless of the page size.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.buffer = torch.zeros(
+            2, num_layers, self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.buffer[0, layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.buffer[1, layer]
+
+    def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.buffer[0, layer].index_copy_(0, slots, k.to(self.dtype))
+        self.buffer[1, layer].index_copy_(0, slots, v.to(self.dtype))
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * elem

@@ -1,0 +1,48 @@
+"""Vocab-parallel embedding and LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import TPInfo, all_gather_last_dim, all_reduce
+
+
+def _pad(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; missing rows are summed in."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab = _pad(vocab_size, tp.size) // tp.size
+        self.start = tp.rank * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
+        self.weight.weight_loader = self.load_shard  # type: ignore[attr-defined]
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        n = min(self.local_vocab, max(0, self.vocab_size - self.start))
+        param.data[:n].copy_(loaded.narrow(0, self.start, n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(mask, 0), self.weight)
+        out.masked_fill_(mask.unsqueeze(-1), 0)
+        return all_reduce(out, self.tp)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Vocab-sharded output projection; logits are gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        logits = all_gather_last_dim(logits, self.tp)
+        return logits[..., : self.vocab_size]

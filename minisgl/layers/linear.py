@@ -1,0 +1,113 @@
+"""Linear layers that shard their weights for tensor parallelism.
+
+Each parameter carries a ``weight_loader`` that copies the rank's slice of a full
+checkpoint tensor into it, so loading never materialises the full merged weight.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import TPInfo, all_reduce
+
+
+def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
+    p.weight_loader = fn  # type: ignore[attr-defined]
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; shards of several logical outputs may be merged.
+
+    ``output_sizes`` lists the logical (full) outputs packed in this layer, e.g. [gate, up];
+    each is split evenly across ranks and the local shards are stored back to back.
+    """
+
+    def __init__(
+        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo
+    ) -> None:
+        super().__init__()
+        assert all(s % tp.size == 0 for s in output_sizes), (output_sizes, tp.size)
+        self.tp = tp
+        self.local_sizes = [s // tp.size for s in output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        _set_loader(self.weight, self.load_shard)
+        if self.bias is not None:
+            _set_loader(self.bias, self.load_shard)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        size = self.local_sizes[shard_id]
+        offset = sum(self.local_sizes[:shard_id])
+        part = loaded.narrow(0, self.tp.rank * size, size)
+        param.data.narrow(0, offset, size).copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Merged q/k/v projection; KV heads are replicated when tp exceeds their number."""
+
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo
+    ) -> None:
+        assert num_heads % tp.size == 0, "attention heads must divide by the TP size"
+        if num_kv_heads >= tp.size:
+            assert num_kv_heads % tp.size == 0, "KV heads must divide by the TP size"
+            self.local_kv_heads = num_kv_heads // tp.size
+        else:
+            assert tp.size % num_kv_heads == 0, "TP size must be a multiple of the KV heads"
+            self.local_kv_heads = 1
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        q = num_heads * head_dim
+        kv_local = self.local_kv_heads * head_dim
+        super().__init__(hidden, [q, kv_local * tp.size, kv_local * tp.size], bias, tp)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if shard_id == 0 or self.num_kv_heads >= self.tp.size:
+            super().load_shard(param, loaded, shard_id)
+            return
+        # Replicated KV: rank r uses KV head r * kv_heads // tp.
+        head = self.tp.rank * self.num_kv_heads // self.tp.size
+        offset = sum(self.local_sizes[:shard_id])
+        part = loaded.narrow(0, head * self.head_dim, self.head_dim)
+        param.data.narrow(0, offset, self.head_dim).copy_(part)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo) -> None:
+        super().__init__()
+        assert in_features % tp.size == 0
+        self.tp = tp
+        self.local_in = in_features // tp.size
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        _set_loader(self.weight, self.load_shard)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = all_reduce(y, self.tp)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,95 @@
+"""One decoder-only transformer that Llama, Mistral, Qwen2 and Qwen3 are all built from.
+
+The models differ only in flags of ModelConfig (qkv bias, q/k norm, tied embeddings,
+RoPE scaling); the forward pass takes the batch explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.distributed import TPInfo
+from minisgl.engine.batch import ForwardBatch
+from minisgl.layers.activation import ACTIVATIONS
+from minisgl.layers.attention import SelfAttention
+from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.models.config import ModelConfig
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, intermediate: int, tp: TPInfo) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [intermediate, intermediate], cfg.mlp_bias, tp
+        )
+        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo
+    ) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, layer_id, rotary, tp)
+        self.mlp: nn.Module
+        if cfg.layer_is_moe(layer_id):
+            from minisgl.layers.moe import SparseMoE
+
+            self.mlp = SparseMoE(cfg, tp)
+        else:
+            self.mlp = GatedMLP(cfg, cfg.intermediate_size, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.self_attn(h, batch)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, max_position: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # One RoPE table shared by every layer (buffers are not parameters, so not loaded).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, batch)
+        x, _ = self.norm.forward_with_residual(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """Shared by every supported architecture; see models/registry.py."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPInfo, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, tp, max_position)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Returns float32 logits [R, vocab] for the tokens in ``batch.logits_index``."""
+        hidden = self.model(batch)
+        return self.lm_head.compute_logits(hidden[batch.logits_index]).float()

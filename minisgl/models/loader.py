@@ -1,0 +1,100 @@
+"""Weight loading: safetensors directories, GGUF files, or random "dummy" weights.
+
+Checkpoint tensors are streamed one at a time to the device and copied into the (possibly
+merged, possibly sharded) parameter that owns them, so host memory never holds the model
+twice.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# checkpoint sub-name -> (our parameter sub-name, shard index inside the merged parameter)
+_MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_MERGED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_SKIP_RE = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|masked_bias")
+
+
+def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in model directory {str(model_dir)!r}")
+    dev = "cpu" if device.type == "cpu" else str(device)
+    for name in files:
+        with safe_open(str(model_dir / name), framework="pt", device=dev) as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield key, f.get_tensor(key)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if _SKIP_RE.search(name):
+            continue
+        if name.startswith("lm_head.") and tied:
+            continue  # tied to the embedding, which is loaded under its own name
+        target, shard = _map_name(name, params)
+        if target is None:
+            continue
+        param = params[target]
+        loader = getattr(param, "weight_loader", None)
+        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        if loader is not None:
+            loader(param, tensor, shard)
+        else:
+            if param.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        loaded.add(f"{target}#{shard}")
+        del tensor
+    missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
+    if tied:
+        missing = [n for n in missing if n != "lm_head.weight"]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+
+
+def _map_name(name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, int]:
+    m = _MERGED_RE.search(name)
+    if m:
+        ours, shard = _MERGED[m.group(1)]
+        name = name.replace(f".{m.group(1)}.", f".{ours}.")
+        return (name if name in params else None), shard
+    if name in params:
+        return name, 0
+    return None, 0
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for benchmarks: small normals, unit norms; finite logits at any depth."""
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            # Generate on the parameter's own device: fast for multi-GB GPU models.
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,153 @@
+"""Per-request KV bookkeeping: page-table rows, page allocation, prefix-cache hand-over.
+
+Every page is in exactly one place: the allocator's free list, the prefix cache (a tree
+node), or a request's private range ``[tree_len, alloc_len)`` of its page-table row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from minisgl.kvcache.allocator import PageAllocator
+from minisgl.kvcache.naive_cache import NaiveCache
+from minisgl.kvcache.prefix_cache import PrefixCache
+from minisgl.kvcache.radix_cache import RadixCache
+from minisgl.scheduler.request import Req
+
+
+class KVManager:
+    def __init__(
+        self,
+        page_table: torch.Tensor,
+        num_pages: int,
+        page_size: int,
+        max_requests: int,
+        cache_kind: str,
+    ) -> None:
+        self.page_size = page_size
+        self.device_table = page_table
+        # The host mirror is what the scheduler reads; on CPU it is the same tensor.
+        self.host_table = page_table if page_table.device.type == "cpu" else torch.zeros_like(page_table, device="cpu")
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.cache: PrefixCache = RadixCache(self.allocator) if cache_kind == "radix" else NaiveCache(self.allocator)
+        self.reuse = cache_kind == "radix"
+        self.free_rows = list(range(max_requests - 1, -1, -1))
+        self.max_requests = max_requests
+        self._dirty: list[tuple[int, int, int]] = []  # host rows to mirror to the device
+
+    # ------------------------------------------------------------ capacity
+    @property
+    def available_pages(self) -> int:
+        return self.allocator.num_free_pages + self.cache.evictable_pages
+
+    def pages_for(self, req: Req, new_tokens: int) -> int:
+        need = req.kv_len + new_tokens - req.alloc_len
+        return max(0, -(-need // self.page_size))
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        if n > self.allocator.num_free_pages:
+            self.cache.evict(n - self.allocator.num_free_pages)
+        return self.allocator.alloc(n)
+
+    # ------------------------------------------------------------ lifecycle
+    def admit(self, req: Req) -> bool:
+        """Give the request a row and lock its cached prefix. False if no row is free."""
+        if not self.free_rows:
+            return False
+        req.row = self.free_rows.pop()
+        # Always compute at least one token, so there are logits to sample from.
+        match = self.cache.match_prefix(req.token_slice(0, req.num_tokens - 1))
+        self.cache.lock(match.node)
+        req.tree_node, req.tree_len = match.node, match.length
+        req.kv_len = req.alloc_len = match.length
+        if match.length:
+            self.host_table[req.row, : match.length] = match.slots
+            self._dirty.append((req.row, 0, match.length))
+        return True
+
+    def allocate(self, req: Req, new_tokens: int) -> bool:
+        """Make room in the row for ``new_tokens`` more tokens after kv_len."""
+        n = self.pages_for(req, new_tokens)
+        if n == 0:
+            return True
+        pages = self._alloc(n)
+        if pages is None:
+            return False
+        slots = PageAllocator.pages_to_slots(pages, self.page_size)
+        end = req.alloc_len + len(slots)
+        self.host_table[req.row, req.alloc_len : end] = slots
+        self._dirty.append((req.row, req.alloc_len, end))
+        req.alloc_len = end
+        return True
+
+    def cache_prefix(self, req: Req) -> None:
+        """Hand the computed, page-aligned prefix to the prefix cache (request keeps it locked)."""
+        if not self.reuse:
+            return
+        n = req.kv_len // self.page_size * self.page_size
+        if n <= req.tree_len:
+            return
+        tokens = req.token_slice(0, n)
+        row = self.host_table[req.row]
+        present = self.cache.insert(tokens, row[:n].clone())
+        if present > req.tree_len:
+            # Someone cached these tokens first: free our copies and point at theirs
+            # (the page table must never keep pointing at pages we gave back).
+            self.allocator.free(row[req.tree_len : present : self.page_size] // self.page_size)
+        match = self.cache.match_prefix(tokens, count=False)
+        assert match.length == n, (match.length, n)
+        if present > req.tree_len:
+            row[req.tree_len : present] = match.slots[req.tree_len : present]
+            self._dirty.append((req.row, req.tree_len, present))
+        self.cache.lock(match.node)
+        self.cache.unlock(req.tree_node)
+        req.tree_node, req.tree_len = match.node, n
+
+    def release(self, req: Req) -> None:
+        """Cache what the request computed, unlock its prefix, free its private pages and row."""
+        if req.row < 0:
+            return
+        self.cache_prefix(req)
+        private = self.host_table[req.row, req.tree_len : req.alloc_len : self.page_size]
+        if len(private):
+            self.allocator.free(private // self.page_size)
+        self.cache.unlock(req.tree_node)
+        self.free_rows.append(req.row)
+        req.row, req.tree_node = -1, None
+        req.kv_len = req.alloc_len = req.tree_len = 0
+
+    # ------------------------------------------------------------ device mirror
+    def flush(self) -> None:
+        if not self._dirty:
+            return
+        if self.device_table is not self.host_table:
+            rows = torch.cat([torch.full((e - s,), r, dtype=torch.long) for r, s, e in self._dirty])
+            cols = torch.cat([torch.arange(s, e) for _, s, e in self._dirty])
+            vals = self.host_table[rows, cols]
+            dev = self.device_table.device
+            self.device_table[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = vals.to(
+                dev, non_blocking=True
+            )
+        self._dirty.clear()
+
+    def slots(self, req: Req, start: int, end: int) -> torch.Tensor:
+        return self.host_table[req.row, start:end]
+
+    # ------------------------------------------------------------ checks
+    def private_pages(self, reqs: Iterable[Req]) -> list[int]:
+        pages: list[int] = []
+        for r in reqs:
+            if r.row >= 0:
+                pages += (self.host_table[r.row, r.tree_len : r.alloc_len : self.page_size] // self.page_size).tolist()
+        return pages
+
+    def check_integrity(self, live: Iterable[Req]) -> None:
+        live = list(live)
+        self.cache.check_integrity(in_use_pages=self.private_pages(live))
+        rows = [r.row for r in live if r.row >= 0]
+        assert len(set(rows)) == len(rows), "a page-table row is owned twice"
+        assert len(rows) + len(self.free_rows) == self.max_requests, (
+            f"row leak: {len(rows)} live + {len(self.free_rows)} free != {self.max_requests}"
+        )

@@ -1,0 +1,59 @@
+"""A request's state as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from minisgl.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Req:
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    row: int = -1  # page-table row while admitted
+    kv_len: int = 0  # leading tokens whose K/V is in the pool
+    alloc_len: int = 0  # token slots allocated in the row (a multiple of the page size)
+    tree_node: object | None = None  # locked radix node covering [0, tree_len)
+    tree_len: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    matched_stop: int | str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    error: str | None = None
+    admit_order: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to be fed to the model before the next sample."""
+        return self.num_tokens - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED

@@ -1,0 +1,309 @@
+"""The scheduler: continuous batching with chunked prefill, mixed batches, preemption.
+
+Each ``step`` builds one batch (running decodes plus prefill chunks within a token budget),
+runs it through the engine, and turns sampled tokens into request progress.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.attention.base import BatchLayout
+from minisgl.engine.engine import Engine
+from minisgl.engine.sampler import SampleOutput, SamplingBatch
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.kv_manager import KVManager
+from minisgl.scheduler.request import Req, ReqState
+from minisgl.scheduler.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+LPM_MAX_QUEUE = 128  # beyond this many waiting requests, LPM sorting costs more than it saves
+IN_BATCH_PREFIX_MIN = 32  # defer a request that shares this many uncached tokens with one admitted
+
+
+@dataclass
+class _Row:
+    req: Req
+    extend: int
+    samples: bool
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, decode: Callable[[list[int]], str] | None = None) -> None:
+        self.engine = engine
+        cfg = engine.config
+        self.config = cfg
+        self.page_size = cfg.page_size
+        self.kv = KVManager(
+            engine.page_table, engine.pool.num_pages, cfg.page_size, cfg.max_running_requests, cfg.cache
+        )
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stop_checker = StopChecker(engine.model_config.eos_token_ids, decode)
+        self.rng = random.Random(cfg.seed)
+        self.uids = itertools.count()
+        self.admit_counter = itertools.count()
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.ratio_decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / 600
+        self.context_length = engine.context_length
+        self.prefill_tokens = 0  # tokens computed in prefill (for prefix-cache savings)
+        self.num_retractions = 0
+
+    # ------------------------------------------------------------ requests
+    def check_prompt(self, prompt_ids: Sequence[int]) -> None:
+        """ValueError naming the problem if the prompt can never be served."""
+        if len(prompt_ids) == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        if len(prompt_ids) >= self.context_length:
+            raise ValueError(
+                f"prompt is {len(prompt_ids)} tokens, but the context length is "
+                f"{self.context_length}: prompt too long"
+            )
+        vocab = self.engine.model_config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, uid: int | None = None) -> Req:
+        params.validate()
+        self.check_prompt(prompt_ids)
+        seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
+        req = Req(uid=next(self.uids) if uid is None else uid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, uid: int) -> Req | None:
+        for req in self.waiting:
+            if req.uid == uid:
+                self.waiting.remove(req)
+                self._finish(req, "abort")
+                return req
+        for req in self.running:
+            if req.uid == uid:
+                self.running.remove(req)
+                self._finish(req, "abort")
+                self.kv.release(req)
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ step
+    def step(self) -> list[Req]:
+        """Run one batch; returns the requests that got a token or finished this step."""
+        rows = self._schedule()
+        if not rows:
+            return []
+        return self._run(rows)
+
+    def _schedule(self) -> list[_Row]:
+        mixed = not self.config.disable_mixed_batch
+        decodes = sorted((r for r in self.running if r.pending == 1), key=lambda r: r.uid)
+        partial = [r for r in self.running if r.pending > 1]
+        rows: list[_Row] = []
+        if mixed or not (partial or self.waiting):
+            rows = self._schedule_decodes(decodes)
+        budget = self.config.chunked_prefill_size - len(rows)
+        if mixed or not rows:
+            rows += self._schedule_prefill(partial, budget)
+        if not rows and decodes and not mixed:
+            rows = self._schedule_decodes(decodes)
+        if not rows and self.running:
+            # Nothing could get memory: give the newest request's pages back and retry later.
+            self._retract(max(self.running, key=lambda r: r.admit_order))
+        return rows
+
+    def _schedule_decodes(self, decodes: list[Req]) -> list[_Row]:
+        need = sum(self.kv.pages_for(r, 1) for r in decodes)
+        while decodes and need > self.kv.available_pages:
+            victim = max(decodes, key=lambda r: r.admit_order)
+            decodes.remove(victim)
+            need -= self.kv.pages_for(victim, 1)
+            self._retract(victim)
+        rows = []
+        for r in decodes:
+            ok = self.kv.allocate(r, 1)
+            assert ok, "decode allocation failed after the capacity check"
+            rows.append(_Row(r, 1, True))
+        return rows
+
+    def _reserve_pages(self) -> int:
+        """Pages kept back for the growth of running requests (not reserved in full)."""
+        tokens = sum(
+            min(r.params.max_tokens - len(r.output_ids), 4096) for r in self.running if not r.finished
+        )
+        return int(tokens * self.new_token_ratio) // self.page_size
+
+    def _schedule_prefill(self, partial: list[Req], budget: int) -> list[_Row]:
+        rows: list[_Row] = []
+        reserve = self._reserve_pages()
+        for r in sorted(partial, key=lambda r: r.admit_order):
+            if budget <= 0:
+                return rows
+            n = min(r.pending, budget)
+            if self.kv.pages_for(r, n) > self.kv.available_pages - reserve or not self.kv.allocate(r, n):
+                continue
+            rows.append(_Row(r, n, n == r.pending))
+            budget -= n
+        admitted: list[Req] = []
+        for req in self._waiting_in_policy_order():
+            if budget <= 0 or not self.kv.free_rows:
+                break
+            if not self.kv.admit(req):
+                break
+            if self.kv.reuse and self._shares_uncached_prefix(req, admitted):
+                self._unadmit(req)
+                continue
+            n = min(req.pending, budget)
+            own = min(req.params.max_tokens - len(req.output_ids), 4096) * self.new_token_ratio
+            need = self.kv.pages_for(req, n) + int(own) // self.page_size
+            if need > self.kv.available_pages - reserve or not self.kv.allocate(req, n):
+                self._unadmit(req)
+                break  # first-come first-served: do not let later requests jump the queue
+            self.waiting.remove(req)
+            req.state = ReqState.RUNNING
+            req.admit_order = next(self.admit_counter)
+            if not req.admitted_once:
+                req.cached_tokens, req.admitted_once = req.kv_len, True
+            if _uses_penalties(req):
+                self._restore_penalties(req)
+            self.running.append(req)
+            admitted.append(req)
+            rows.append(_Row(req, n, n == req.pending))
+            budget -= n
+            reserve += int(own) // self.page_size
+        return rows
+
+    def _waiting_in_policy_order(self) -> list[Req]:
+        reqs = list(self.waiting)
+        if self.config.schedule_policy == "lpm" and self.kv.reuse and len(reqs) <= LPM_MAX_QUEUE:
+            hits = {id(r): self.kv.cache.match_prefix(r.token_slice(0, r.num_tokens - 1), count=False).length for r in reqs}
+            reqs.sort(key=lambda r: -hits[id(r)])  # stable: ties stay first-come first-served
+        return reqs
+
+    def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
+        """True if an already-admitted request of this step computes the same prefix: wait for
+        it to land in the cache instead of computing it twice."""
+        for other in admitted:
+            n = _common_prefix(req.prompt_ids, other.prompt_ids)
+            if n - req.kv_len >= IN_BATCH_PREFIX_MIN:
+                return True
+        return False
+
+    def _unadmit(self, req: Req) -> None:
+        self.kv.release(req)
+
+    def _retract(self, req: Req) -> None:
+        """Preempt: free the request's pages (its computed prefix stays in the cache) and requeue."""
+        self.num_retractions += 1
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.release(req)
+        req.state = ReqState.WAITING
+        self.waiting.appendleft(req)
+        self.new_token_ratio = self.config.init_new_token_ratio
+        logger.debug("retracted request %s with %d output tokens", req.uid, len(req.output_ids))
+
+    def _restore_penalties(self, req: Req) -> None:
+        self.engine.penalties.reset_slot(req.row, torch.tensor(req.prompt_ids))
+        if req.output_ids:
+            dev = self.engine.device
+            self.engine.penalties.add_tokens(
+                torch.full((len(req.output_ids),), req.row, device=dev),
+                torch.tensor(req.output_ids, device=dev),
+            )
+
+    # ------------------------------------------------------------ run
+    def _run(self, rows: list[_Row]) -> list[Req]:
+        self.kv.flush()
+        layout = BatchLayout(
+            req_rows=[r.req.row for r in rows],
+            prefix_lens=[r.req.kv_len for r in rows],
+            extend_lens=[r.extend for r in rows],
+            page_table=self.engine.page_table,
+        )
+        input_ids: list[int] = []
+        slots = []
+        for r in rows:
+            input_ids += r.req.token_slice(r.req.kv_len, r.req.kv_len + r.extend)
+            slots.append(self.kv.slots(r.req, r.req.kv_len, r.req.kv_len + r.extend))
+            self.prefill_tokens += r.extend if r.extend > 1 or len(r.req.output_ids) == 0 else 0
+        sample_idx = [i for i, r in enumerate(rows) if r.samples]
+        sampled = [rows[i].req for i in sample_idx]
+        sampling = None
+        penalty_slots = None
+        if sampled:
+            sampling = SamplingBatch.build(
+                [q.params for q in sampled], [q.seed for q in sampled],
+                [len(q.output_ids) for q in sampled], self.engine.device,
+            )
+            if any(_uses_penalties(q) for q in sampled):
+                penalty_slots = torch.tensor([q.row for q in sampled], device=self.engine.device)
+        out = self.engine.forward(layout, input_ids, torch.cat(slots), sample_idx, sampling, penalty_slots)
+        for r in rows:
+            r.req.kv_len += r.extend
+        self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.ratio_decay)
+        changed = self._process(sampled, out, penalty_slots) if out is not None else []
+        for r in rows:
+            if not r.req.finished and r.extend > 1:
+                self.kv.cache_prefix(r.req)  # share prompt prefixes with requests still waiting
+        return changed
+
+    def _process(self, reqs: list[Req], out: SampleOutput, penalty_slots: torch.Tensor | None) -> list[Req]:
+        if penalty_slots is not None:
+            self.engine.penalties.add_tokens(penalty_slots, out.next_tokens)
+        tokens = out.next_tokens.tolist()  # the one host sync of the step
+        logps = out.chosen_logprobs.tolist() if out.chosen_logprobs is not None else None
+        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        for i, req in enumerate(reqs):
+            req.output_ids.append(tokens[i])
+            p = req.params
+            if p.logprobs and logps is not None:
+                req.output_logprobs.append(logps[i])
+            if p.top_logprobs and top_ids is not None and top_lps is not None:
+                req.output_top_logprobs.append(list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
+            reason = self.stop_checker.check(req, self.context_length)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+                self.kv.release(req)
+        return reqs
+
+    def _finish(self, req: Req, reason: str) -> None:
+        req.state = ReqState.FINISHED
+        req.finish_reason = reason
+
+    # ------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        self.kv.check_integrity(self.running)
+
+    def flush_cache(self) -> bool:
+        if self.running:
+            return False
+        self.kv.cache.reset()
+        return True
+
+
+def _uses_penalties(req: Req) -> bool:
+    p = req.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    import numpy as np
+
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n

@@ -1,0 +1,95 @@
+"""Shared test helpers: tiny random-weight Hugging Face models built on the fly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_BASE: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Save a random-weight float32 model of the given family to ``path`` (safetensors)."""
+    import transformers as tf
+
+    classes = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }
+    cfg_cls, model_cls = classes[arch]
+    kwargs = dict(TINY_BASE)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    cfg = cfg_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).float()
+    # Larger-than-default init so logits are peaked and greedy ties are implausible.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.08)
+            else:
+                p.uniform_(0.8, 1.2)
+    model.save_pretrained(path, safe_serialization=True)
+    save_tiny_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer whose words are t0..t{V-1}: every model id decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t0"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
+        "{% if add_generation_prompt %}t5{% endif %}"
+    )
+    fast.save_pretrained(path)
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Reference: Hugging Face transformers greedy tokens and chosen-token logprobs, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs, lps = [], []
+    for ids in prompts:
+        inp = torch.tensor([ids])
+        with torch.no_grad():
+            g = model.generate(
+                inp, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                output_scores=True, return_dict_in_generate=True, output_logits=True,
+                pad_token_id=0, eos_token_id=None,
+            )
+        toks = g.sequences[0, len(ids):].tolist()
+        logits = torch.stack(g.logits, 0)[:, 0].float()
+        lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
+        outs.append(toks)
+        lps.append(lp)
+    return outs, lps
