@@ -55,16 +55,17 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides:
 
 
 def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
-    """A word-level tokenizer whose words are t0..t{V-1}: every model id decodes."""
+    """A word-level tokenizer whose words are t3..t{V-1} plus <unk>, <s>, </s>: every id decodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    names = {0: "<unk>", 1: "<s>", 2: "</s>"}
+    vocab = {names.get(i, f"t{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2", pad_token="t0"
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
     )
     fast.chat_template = (
         "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"

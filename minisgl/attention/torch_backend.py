@@ -70,9 +70,8 @@ class TorchBackend(AttentionBackend):
         q_pad = q_ext[md.q_pad_index].view(md.batch, md.max_q, hq, d).transpose(1, 2)
         k_all = k_all.transpose(1, 2).to(q.dtype)
         v_all = v_all.transpose(1, 2).to(q.dtype)
-        if hk != hq:
-            k_all = k_all.repeat_interleave(hq // hk, dim=1)
-            v_all = v_all.repeat_interleave(hq // hk, dim=1)
-        out = F.scaled_dot_product_attention(q_pad, k_all, v_all, attn_mask=md.mask, scale=scale)
+        out = F.scaled_dot_product_attention(
+            q_pad, k_all, v_all, attn_mask=md.mask, scale=scale, enable_gqa=hk != hq
+        )
         out = out.transpose(1, 2).reshape(md.batch * md.max_q, hq * d)
         return out[md.q_unpad_index]

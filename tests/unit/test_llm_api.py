@@ -1,0 +1,157 @@
+"""The offline API: batching, sampling controls, stop conditions and input validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from tests.conftest import assert_engine_clean
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models: dict[str, Path]) -> LLM:
+    return LLM(str(tiny_models["qwen3"]))
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_batch_invariance(tiny_models: dict[str, Path], page_size: int) -> None:
+    llm = LLM(str(tiny_models["llama"]), page_size=page_size, cache="naive")
+    prompts = [[9, 8, 7, 6], list(range(20, 57)), [1, 2], list(range(100, 119)), [42] * 9]
+    alone = [llm.generate([p], GREEDY)[0]["token_ids"] for p in prompts]
+    together = [r["token_ids"] for r in llm.generate(prompts, GREEDY)]
+    assert alone == together
+    assert_engine_clean(llm)
+
+
+def test_token_ids_and_text_prompts(llm: LLM) -> None:
+    ids = llm.encode("t5 t6 t7")
+    assert ids == [5, 6, 7]
+    a = llm.generate("t5 t6 t7", GREEDY)[0]
+    b = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert a["token_ids"] == b["token_ids"]
+    assert a["text"] == " ".join(f"t{t}" for t in a["token_ids"] if t not in (0, 1, 2))
+    assert a["prompt_tokens"] == 3 and a["completion_tokens"] == 20
+
+
+def test_results_in_input_order_with_per_prompt_params(llm: LLM) -> None:
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 11, 7)]
+    out = llm.generate(prompts, params)
+    assert [len(r["token_ids"]) for r in out] == [3, 11, 7]
+    assert [r["finish_reason"] for r in out] == ["length"] * 3
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None:
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=1234)
+    alone = llm.generate([[5, 6, 7]], p)[0]["token_ids"]
+    again = llm.generate([[5, 6, 7]], p)[0]["token_ids"]
+    others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    mixed = llm.generate([[1, 2, 3], [5, 6, 7], [9, 9]], [others, p, others])[1]["token_ids"]
+    assert alone == again == mixed
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=99)
+    assert llm.generate([[5, 6, 7]], other_seed)[0]["token_ids"] != alone
+
+
+def test_max_tokens_exact_and_stop_token_ids(llm: LLM) -> None:
+    full = llm.generate([[5, 6, 7]], GREEDY)[0]["token_ids"]
+    for n in (1, 2, 13):
+        r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        assert r["token_ids"] == full[:n] and r["finish_reason"] == "length"
+    stop_tok = full[5]
+    first = full.index(stop_tok)
+    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))[0]
+    assert r["token_ids"] == full[: first + 1]
+    assert r["finish_reason"] == "stop" and r["matched_stop"] == stop_tok
+
+
+def test_stop_strings_are_exact_and_excluded(llm: LLM) -> None:
+    full = llm.generate([[5, 6, 7]], GREEDY)[0]
+    words = full["text"].split(" ")
+    stop = f"{words[4]} {words[5]}"  # spans two tokens
+    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop=[stop, "zzz"]))[0]
+    assert r["finish_reason"] == "stop" and r["matched_stop"] == stop
+    assert stop not in r["text"]
+    assert full["text"].startswith(r["text"])
+    assert r["text"] == full["text"][: full["text"].find(stop)]
+    assert len(r["token_ids"]) == full["text"][: full["text"].find(stop)].count(" ") + 2
+
+
+def test_eos_stops_unless_ignored(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(str(tiny_models["qwen3"]))
+    full = llm.generate([[5, 6, 7]], GREEDY)[0]["token_ids"]
+    # Treat a token the model emits as EOS by swapping the engine's EOS ids.
+    llm.scheduler.stop_checker.eos_ids = frozenset({full[3]})
+    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20))[0]
+    assert r["token_ids"] == full[: full.index(full[3]) + 1] and r["finish_reason"] == "stop"
+    r = llm.generate([[5, 6, 7]], GREEDY)[0]
+    assert r["token_ids"] == full
+
+
+def test_logprobs_and_top_logprobs(llm: LLM) -> None:
+    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3))[0]
+    assert len(r["logprobs"]) == 5 and len(r["top_logprobs"]) == 5
+    for tok, lp, top in zip(r["token_ids"], r["logprobs"], r["top_logprobs"]):
+        assert len(top) == 3
+        best = max(top, key=top.get)
+        assert best == tok and abs(top[tok] - lp) < 1e-6  # greedy picks the top-1
+
+
+def test_penalties_change_output(llm: LLM) -> None:
+    base = llm.generate([[5, 5, 5, 5]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]["token_ids"]
+    rep = llm.generate([[5, 5, 5, 5]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=2.0))[0]["token_ids"]
+    assert len(set(rep)) >= len(set(base))
+    assert rep != base or len(set(base)) == len(base)
+
+
+def test_chat_template(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "t9 t10"}]
+    ids = llm.apply_chat_template(msgs)
+    assert ids == [3, 9, 10, 4, 5]
+    r = llm.chat(msgs, GREEDY)[0]
+    assert r["token_ids"] == llm.generate([ids], GREEDY)[0]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+    ],
+)
+def test_bad_sampling_params(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_lose_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    too_long = [5] * (llm.engine.context_length + 3)
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate([[5, 6], too_long], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[5, 10**6]], GREEDY)
+    # Nothing was queued by the failed calls, and the engine still works.
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert len(llm.generate([[5, 6]], GREEDY)[0]["token_ids"]) == 20
+    assert_engine_clean(llm)
+
+
+def test_missing_model_path() -> None:
+    with pytest.raises(ValueError, match="does-not-exist"):
+        LLM("/nonexistent/does-not-exist")
+
+
+def test_unknown_option() -> None:
+    with pytest.raises(ValueError, match="no_such_flag"):
+        LLM(None, no_such_flag=1)

@@ -1,0 +1,85 @@
+"""Every scheduling optimisation can be switched off without changing greedy outputs."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from tests.conftest import assert_engine_clean
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(7)
+    system = [rng.randrange(3, 256) for _ in range(70)]
+    prompts: list[list[int]] = []
+    for i in range(14):
+        if i % 3 == 0:
+            body = [rng.randrange(3, 256) for _ in range(rng.randint(1, 120))]
+        else:
+            body = system + [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))]
+        prompts.append(body)
+    prompts.append(list(prompts[1]))  # an exact repeat
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(5, 40), ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+BASE = dict(page_size=1, cache="radix", chunked_prefill_size=8192, schedule_policy="fcfs", num_pages=4096)
+VARIANTS = {
+    "naive": dict(cache="naive"),
+    "chunk16": dict(chunked_prefill_size=16),
+    "page16": dict(page_size=16, num_pages=256),
+    "page16-chunk16-lpm": dict(page_size=16, num_pages=256, chunked_prefill_size=16, schedule_policy="lpm"),
+    "no-mixed": dict(disable_mixed_batch=True, chunked_prefill_size=64),
+    "small-pool": dict(num_pages=260, max_running_requests=6, init_new_token_ratio=0.05),
+    "small-pool-page4": dict(num_pages=70, page_size=4, chunked_prefill_size=32, init_new_token_ratio=0.05),
+    "lpm": dict(schedule_policy="lpm"),
+    "naive-small-pool-nomixed": dict(cache="naive", num_pages=200, disable_mixed_batch=True),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models: dict[str, Path]) -> list[list[int]]:
+    prompts, params = _workload()
+    llm = LLM(str(tiny_models["llama"]), **BASE)
+    return [r["token_ids"] for r in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_outputs_identical(tiny_models: dict[str, Path], reference: list[list[int]], name: str) -> None:
+    prompts, params = _workload()
+    llm = LLM(str(tiny_models["llama"]), **{**BASE, **VARIANTS[name]})
+    out = llm.generate(prompts, params)
+    assert [r["token_ids"] for r in out] == reference
+    assert_engine_clean(llm)
+    if name.startswith("small-pool"):
+        assert llm.scheduler.num_retractions > 0, "the small pool was meant to force preemption"
+
+
+def test_shared_prefix_saves_prefill(tiny_models: dict[str, Path]) -> None:
+    rng = random.Random(0)
+    system = [rng.randrange(3, 256) for _ in range(512)]
+    prompts = [system + [rng.randrange(3, 256) for _ in range(8)] for _ in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    computed = {}
+    outputs = {}
+    for cache in ("radix", "naive"):
+        llm = LLM(str(tiny_models["qwen3"]), cache=cache, context_length=1024, num_pages=20000)
+        outputs[cache] = [r["token_ids"] for r in llm.generate(prompts, params)]
+        computed[cache] = llm.scheduler.prefill_tokens
+        assert_engine_clean(llm)
+    assert outputs["radix"] == outputs["naive"]
+    assert computed["radix"] <= 0.15 * computed["naive"], computed
+
+
+def test_cached_tokens_reported(tiny_models: dict[str, Path]) -> None:
+    llm = LLM(str(tiny_models["qwen3"]), page_size=4)
+    p = list(range(10, 60))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.generate([p], params)[0]
+    second = llm.generate([p + [7, 8]], params)[0]
+    assert first["cached_tokens"] == 0
+    assert second["cached_tokens"] == 48  # 50 prompt tokens, page-aligned down
+    assert llm.scheduler.kv.cache.stats.hit_rate > 0
