@@ -7,6 +7,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,6 +90,8 @@ class Engine:
         self.attn_backend = self._make_backend()
         self.sampler = Sampler()
         self.penalties = PenaltyState(rows, cfg.vocab_size, self.device)
+        # The token each table row sampled last: the next decode's input under overlap.
+        self.last_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
 
     # ---------------------------------------------------------------- setup
     def _load_weights(self) -> None:
@@ -141,6 +144,13 @@ class Engine:
         raise ValueError(f"attention_backend={name!r} is not available")
 
     # ---------------------------------------------------------------- step
+    def to_device(self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            # Pinned staging keeps the copy asynchronous, so the host never waits here.
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
     @torch.inference_mode()
     def forward(
         self,
@@ -150,23 +160,72 @@ class Engine:
         sample_rows: list[int],
         sampling: SamplingBatch | None,
         penalty_slots: torch.Tensor | None = None,
-    ) -> SampleOutput | None:
-        """Run the model on a batch and sample for the rows in ``sample_rows``."""
-        dev = self.device
+        from_device: list[tuple[int, int]] = (),  # type: ignore[assignment]
+        sample_table_rows: list[int] = (),  # type: ignore[assignment]
+    ) -> SampleResult | None:
+        """Run the model on a batch and sample for the rows in ``sample_rows``.
+
+        ``from_device`` lists (flat position, table row) pairs whose input token is the one
+        the previous batch sampled for that row: it is read from ``last_tokens`` on the
+        device, so a batch can be launched before the previous one's samples reach the host.
+        """
         positions = torch.cat(
             [torch.arange(p, p + e) for p, e in zip(layout.prefix_lens, layout.extend_lens)]
         )
         ends = torch.tensor(layout.extend_lens).cumsum(0) - 1
         logits_index = ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
+        ids = self.to_device(input_ids)
+        if from_device:
+            pos, rows = zip(*from_device)
+            ids[self.to_device(list(pos))] = self.last_tokens[self.to_device(list(rows))]
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions=positions.to(dev, non_blocking=True),
-            out_slots=out_slots.to(dev, non_blocking=True),
+            input_ids=ids,
+            positions=self.to_device(positions),
+            out_slots=self.to_device(out_slots),
             attn_backend=self.attn_backend,
-            attn_metadata=self.attn_backend.prepare(layout, dev),
-            logits_index=logits_index.to(dev, non_blocking=True),
+            attn_metadata=self.attn_backend.prepare(layout, self.device),
+            logits_index=self.to_device(logits_index),
         )
         logits = self.model(batch)
         if not sample_rows or sampling is None:
             return None
-        return self.sampler.sample(logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots)
+        out = self.sampler.sample(
+            logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots
+        )
+        self.last_tokens[self.to_device(list(sample_table_rows))] = out.next_tokens
+        if penalty_slots is not None:
+            self.penalties.add_tokens(penalty_slots, out.next_tokens)
+        return SampleResult.start_copy(out)
+
+
+@dataclass
+class HostSamples:
+    next_tokens: list[int]
+    chosen_logprobs: list[float] | None
+    top_ids: list[list[int]] | None
+    top_logprobs: list[list[float]] | None
+
+
+class SampleResult:
+    """Samples of one batch, on their way to the host (a non-blocking copy plus an event)."""
+
+    def __init__(self, tensors: list[torch.Tensor | None], event: torch.cuda.Event | None) -> None:
+        self.tensors = tensors
+        self.event = event
+
+    @classmethod
+    def start_copy(cls, out: SampleOutput) -> SampleResult:
+        tensors = [out.next_tokens, out.chosen_logprobs, out.top_logprob_ids, out.top_logprobs]
+        if out.next_tokens.device.type != "cuda":
+            return cls(tensors, None)
+        host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def to_host(self) -> HostSamples:
+        if self.event is not None:
+            self.event.synchronize()
+        toks, lps, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
+        assert toks is not None
+        return HostSamples(toks, lps, top_ids, top_lps)

@@ -35,10 +35,21 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     admit_order: int = 0
+    inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host knows."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        """All tokens, including those sampled by a batch still in flight."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.inflight
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list."""

@@ -17,7 +17,8 @@ import torch
 
 from minisgl.attention.base import BatchLayout
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampler import SampleOutput, SamplingBatch
+from minisgl.engine.engine import SampleResult
+from minisgl.engine.sampler import SamplingBatch
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.kv_manager import KVManager
 from minisgl.scheduler.request import Req, ReqState
@@ -36,10 +37,27 @@ class _Row:
     samples: bool
 
 
+@dataclass
+class _InFlight:
+    reqs: list[Req]  # the rows that sample, in row order
+    output: SampleResult | None
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, decode: Callable[[list[int]], str] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        decode: Callable[[list[int]], str] | None = None,
+        overlap: bool | None = None,
+    ) -> None:
         self.engine = engine
         cfg = engine.config
+        # Overlap pays off only when the device runs asynchronously; on CPU it can be forced
+        # (tests do, to check the one-step-late bookkeeping).
+        if overlap is None:
+            overlap = engine.device.type == "cuda" and not cfg.disable_overlap_scheduling
+        self.overlap = overlap
+        self.inflight: _InFlight | None = None
         self.config = cfg
         self.page_size = cfg.page_size
         self.kv = KVManager(
@@ -95,19 +113,37 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     # ------------------------------------------------------------ step
     def step(self) -> list[Req]:
-        """Run one batch; returns the requests that got a token or finished this step."""
+        """Run one batch; returns the requests that got a token or finished.
+
+        With overlap scheduling the next batch is launched before the previous one's
+        samples are read back, so the CPU prepares step N+1 while the device runs step N.
+        """
+        prev, self.inflight = self.inflight, None
+        if prev is not None and not self.overlap:
+            done = self._process(prev)
+            prev = None
+        else:
+            done = []
         rows = self._schedule()
-        if not rows:
-            return []
-        return self._run(rows)
+        if rows:
+            self.inflight = self._launch(rows)
+        if prev is not None:
+            done = self._process(prev)
+        if not self.overlap and self.inflight is not None:
+            done += self._process(self.inflight)
+            self.inflight = None
+        return done
 
     def _schedule(self) -> list[_Row]:
         mixed = not self.config.disable_mixed_batch
-        decodes = sorted((r for r in self.running if r.pending == 1), key=lambda r: r.uid)
+        decodes = sorted(
+            (r for r in self.running if r.pending == 1 and not self._done_when_landed(r)),
+            key=lambda r: r.uid,
+        )
         partial = [r for r in self.running if r.pending > 1]
         rows: list[_Row] = []
         if mixed or not (partial or self.waiting):
@@ -117,10 +153,16 @@ class Scheduler:
             rows += self._schedule_prefill(partial, budget)
         if not rows and decodes and not mixed:
             rows = self._schedule_decodes(decodes)
-        if not rows and self.running:
+        if not rows and self.running and self.inflight is None:
             # Nothing could get memory: give the newest request's pages back and retry later.
             self._retract(max(self.running, key=lambda r: r.admit_order))
         return rows
+
+    def _done_when_landed(self, req: Req) -> bool:
+        """A request whose in-flight token is its last needs no further step."""
+        return req.inflight > 0 and (
+            req.num_generated >= req.params.max_tokens or req.num_tokens >= self.context_length
+        )
 
     def _schedule_decodes(self, decodes: list[Req]) -> list[_Row]:
         need = sum(self.kv.pages_for(r, 1) for r in decodes)
@@ -139,7 +181,7 @@ class Scheduler:
     def _reserve_pages(self) -> int:
         """Pages kept back for the growth of running requests (not reserved in full)."""
         tokens = sum(
-            min(r.params.max_tokens - len(r.output_ids), 4096) for r in self.running if not r.finished
+            min(r.params.max_tokens - r.num_generated, 4096) for r in self.running if not r.finished
         )
         return int(tokens * self.new_token_ratio) // self.page_size
 
@@ -158,13 +200,15 @@ class Scheduler:
         for req in self._waiting_in_policy_order():
             if budget <= 0 or not self.kv.free_rows:
                 break
+            if req.inflight:
+                continue  # retracted with a token in flight: wait until its value is known
             if not self.kv.admit(req):
                 break
             if self.kv.reuse and self._shares_uncached_prefix(req, admitted):
                 self._unadmit(req)
                 continue
             n = min(req.pending, budget)
-            own = min(req.params.max_tokens - len(req.output_ids), 4096) * self.new_token_ratio
+            own = min(req.params.max_tokens - req.num_generated, 4096) * self.new_token_ratio
             need = self.kv.pages_for(req, n) + int(own) // self.page_size
             if need > self.kv.available_pages - reserve or not self.kv.allocate(req, n):
                 self._unadmit(req)
@@ -214,16 +258,12 @@ class Scheduler:
         logger.debug("retracted request %s with %d output tokens", req.uid, len(req.output_ids))
 
     def _restore_penalties(self, req: Req) -> None:
-        self.engine.penalties.reset_slot(req.row, torch.tensor(req.prompt_ids))
-        if req.output_ids:
-            dev = self.engine.device
-            self.engine.penalties.add_tokens(
-                torch.full((len(req.output_ids),), req.row, device=dev),
-                torch.tensor(req.output_ids, device=dev),
-            )
+        outputs = torch.tensor(req.output_ids, dtype=torch.long) if req.output_ids else None
+        self.engine.penalties.reset_slot(req.row, torch.tensor(req.prompt_ids), outputs)
 
     # ------------------------------------------------------------ run
-    def _run(self, rows: list[_Row]) -> list[Req]:
+    def _launch(self, rows: list[_Row]) -> _InFlight:
+        """Prepare and start one batch; nothing here waits for the device."""
         self.kv.flush()
         layout = BatchLayout(
             req_rows=[r.req.row for r in rows],
@@ -232,52 +272,74 @@ class Scheduler:
             page_table=self.engine.page_table,
         )
         input_ids: list[int] = []
+        from_device: list[tuple[int, int]] = []  # (flat position, page-table row)
         slots = []
         for r in rows:
-            input_ids += r.req.token_slice(r.req.kv_len, r.req.kv_len + r.extend)
-            slots.append(self.kv.slots(r.req, r.req.kv_len, r.req.kv_len + r.extend))
-            self.prefill_tokens += r.extend if r.extend > 1 or len(r.req.output_ids) == 0 else 0
+            req, start, end = r.req, r.req.kv_len, r.req.kv_len + r.extend
+            known_end = min(end, req.num_known)
+            input_ids += req.token_slice(start, known_end)
+            if end > known_end:  # the last token was sampled by the batch still in flight
+                assert end - known_end == 1
+                from_device.append((len(input_ids), req.row))
+                input_ids.append(0)
+            slots.append(self.kv.slots(req, start, end))
+            if r.extend > 1 or req.num_generated == 0:
+                self.prefill_tokens += r.extend
         sample_idx = [i for i, r in enumerate(rows) if r.samples]
         sampled = [rows[i].req for i in sample_idx]
         sampling = None
         penalty_slots = None
         if sampled:
             sampling = SamplingBatch.build(
-                [q.params for q in sampled], [q.seed for q in sampled],
-                [len(q.output_ids) for q in sampled], self.engine.device,
+                [q.params for q in sampled],
+                [q.seed for q in sampled],
+                [q.num_generated for q in sampled],
+                self.engine.device,
             )
             if any(_uses_penalties(q) for q in sampled):
                 penalty_slots = torch.tensor([q.row for q in sampled], device=self.engine.device)
-        out = self.engine.forward(layout, input_ids, torch.cat(slots), sample_idx, sampling, penalty_slots)
+        out = self.engine.forward(
+            layout, input_ids, torch.cat(slots), sample_idx, sampling, penalty_slots, from_device,
+            [q.row for q in sampled],
+        )
         for r in rows:
             r.req.kv_len += r.extend
-        self.new_token_ratio = max(self.config.min_new_token_ratio, self.new_token_ratio - self.ratio_decay)
-        changed = self._process(sampled, out, penalty_slots) if out is not None else []
+        for q in sampled:
+            q.inflight += 1
+        self.new_token_ratio = max(
+            self.config.min_new_token_ratio, self.new_token_ratio - self.ratio_decay
+        )
         for r in rows:
-            if not r.req.finished and r.extend > 1:
+            if r.extend > 1:
                 self.kv.cache_prefix(r.req)  # share prompt prefixes with requests still waiting
-        return changed
+        return _InFlight(sampled, out)
 
-    def _process(self, reqs: list[Req], out: SampleOutput, penalty_slots: torch.Tensor | None) -> list[Req]:
-        if penalty_slots is not None:
-            self.engine.penalties.add_tokens(penalty_slots, out.next_tokens)
-        tokens = out.next_tokens.tolist()  # the one host sync of the step
-        logps = out.chosen_logprobs.tolist() if out.chosen_logprobs is not None else None
-        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        for i, req in enumerate(reqs):
+    def _process(self, batch: _InFlight) -> list[Req]:
+        """Turn a finished batch's samples into request progress and finish requests."""
+        if batch.output is None:
+            return []
+        out = batch.output.to_host()  # the one host sync of the step
+        tokens = out.next_tokens
+        for i, req in enumerate(batch.reqs):
+            req.inflight -= 1
+            if req.finished:
+                continue  # aborted while its batch was in flight: the sample is dropped
             req.output_ids.append(tokens[i])
             p = req.params
-            if p.logprobs and logps is not None:
-                req.output_logprobs.append(logps[i])
-            if p.top_logprobs and top_ids is not None and top_lps is not None:
-                req.output_top_logprobs.append(list(zip(top_ids[i][: p.top_logprobs], top_lps[i][: p.top_logprobs])))
+            if p.logprobs and out.chosen_logprobs is not None:
+                req.output_logprobs.append(out.chosen_logprobs[i])
+            if p.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:
+                k = p.top_logprobs
+                req.output_top_logprobs.append(list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k])))
             reason = self.stop_checker.check(req, self.context_length)
             if reason is not None:
-                self.running.remove(req)
                 self._finish(req, reason)
-                self.kv.release(req)
-        return reqs
+                if req in self.running:
+                    self.running.remove(req)
+                    self.kv.release(req)
+                elif req in self.waiting:  # retracted while its last token was in flight
+                    self.waiting.remove(req)
+        return batch.reqs
 
     def _finish(self, req: Req, reason: str) -> None:
         req.state = ReqState.FINISHED
@@ -285,6 +347,7 @@ class Scheduler:
 
     # ------------------------------------------------------------ checks
     def check_integrity(self) -> None:
+        assert self.inflight is None, "integrity is checked between batches"
         self.kv.check_integrity(self.running)
 
     def flush_cache(self) -> bool:

@@ -37,6 +37,13 @@ VARIANTS = {
     "small-pool-page4": dict(num_pages=70, page_size=4, chunked_prefill_size=32, init_new_token_ratio=0.05),
     "lpm": dict(schedule_policy="lpm"),
     "naive-small-pool-nomixed": dict(cache="naive", num_pages=200, disable_mixed_batch=True),
+    # Overlap scheduling (results processed one step late) forced on, also on CPU.
+    "overlap": dict(overlap=True),
+    "overlap-small-pool-chunk16": dict(
+        overlap=True, num_pages=260, max_running_requests=6, init_new_token_ratio=0.05,
+        chunked_prefill_size=16,
+    ),
+    "overlap-page16-nomixed": dict(overlap=True, page_size=16, num_pages=256, disable_mixed_batch=True),
 }
 
 
@@ -50,11 +57,14 @@ def reference(tiny_models: dict[str, Path]) -> list[list[int]]:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_outputs_identical(tiny_models: dict[str, Path], reference: list[list[int]], name: str) -> None:
     prompts, params = _workload()
-    llm = LLM(str(tiny_models["llama"]), **{**BASE, **VARIANTS[name]})
+    options = {**BASE, **VARIANTS[name]}
+    overlap = bool(options.pop("overlap", False))
+    llm = LLM(str(tiny_models["llama"]), **options)
+    llm.scheduler.overlap = overlap
     out = llm.generate(prompts, params)
     assert [r["token_ids"] for r in out] == reference
     assert_engine_clean(llm)
-    if name.startswith("small-pool"):
+    if "small-pool" in name:
         assert llm.scheduler.num_retractions > 0, "the small pool was meant to force preemption"
 
 

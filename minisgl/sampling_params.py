@@ -1,0 +1,111 @@
+"""Per-request sampling parameters (OpenAI / vLLM / SGLang conventions).
+
+The object is mutable because the API layer fills it in field by field, so the
+checks live in `validate()`, which `__post_init__` runs once; call it again after
+editing fields.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# OpenAI caps `top_logprobs` at 20; the sampler sizes a [B, K] top-k by it.
+MAX_TOP_LOGPROBS = 20
+
+
+def _bad(field: str, value: object, rule: str) -> ValueError:
+    # One message shape everywhere: the field, its value, and what was expected.
+    return ValueError(f"{field} must be {rule}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0 means off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    # Normalised by __post_init__ to a list of non-empty strings (None -> []).
+    stop: str | list[str] | None = None
+    # Normalised by __post_init__ to a list (None -> []).
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logprobs: bool = False  # return the chosen token's logprob
+    top_logprobs: int = 0  # how many alternatives to return per position
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as a tuple, typed without the pre-normalisation `str` case."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        # Written as `not (ok)` so that NaN, which fails every comparison, is rejected.
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise _bad("temperature", self.temperature, "a finite number >= 0")
+        if not (0 < self.top_p <= 1):
+            raise _bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise _bad("top_k", self.top_k, "an integer >= -1 (-1 or 0 disables it)")
+        if not (0 <= self.min_p <= 1):
+            raise _bad("min_p", self.min_p, "in [0, 1]")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise _bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if not (-2 <= self.frequency_penalty <= 2):
+            raise _bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not (-2 <= self.presence_penalty <= 2):
+            raise _bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or not (0 <= self.min_tokens <= self.max_tokens):
+            raise _bad("min_tokens", self.min_tokens, f"in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.top_logprobs, int) or not (
+            0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise _bad("top_logprobs", self.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise _bad("n", self.n, "an integer >= 1")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise _bad("stop", self.stop, "non-empty strings")
+        for t in self.stop_token_ids or ():
+            if not isinstance(t, int) or t < 0:
+                raise _bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise _bad("seed", self.seed, "an integer or None")

