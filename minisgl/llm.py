@@ -28,12 +28,16 @@ class LLM:
         self.scheduler = Scheduler(self.engine, decode=self._decode)
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: at least one token is required")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return [int(t) for t in prompt]
 
@@ -111,7 +115,11 @@ class LLM:
 
     def _result(self, req: Req) -> dict[str, Any]:
         p = req.params
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+        text = (
+            self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
+            if self.tokenizer is not None
+            else ""
+        )
         if isinstance(req.matched_stop, str):
             text = trim_stop(text, req.matched_stop)
         out: dict[str, Any] = {

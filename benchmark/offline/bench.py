@@ -57,7 +57,7 @@ def main() -> None:
     vocab = min(10000, llm.engine.model_config.vocab_size - 1)
     prompts, max_tokens = workload(args.num_requests, args.scale, vocab)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
-    llm.generate(["Benchmark: "], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
     start = time.perf_counter()
     out = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

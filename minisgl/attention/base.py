@@ -45,6 +45,16 @@ class AttentionBackend(ABC):
     def prepare(self, layout: BatchLayout, device: torch.device) -> object:
         """Build per-batch metadata (index tensors, masks, kernel plans) once for all layers."""
 
+    def copy_metadata(self, dst: object, src: object) -> None:
+        """Copy freshly prepared metadata into the static buffers a CUDA graph captured."""
+        for name, value in vars(src).items():
+            target = getattr(dst, name)
+            if isinstance(value, torch.Tensor):
+                if value is not target:
+                    target.copy_(value, non_blocking=True)
+            elif name not in ("max_splits",) and value != target and not isinstance(value, bool):
+                raise ValueError(f"metadata field {name} differs from the captured graph's")
+
     @abstractmethod
     def forward(
         self,

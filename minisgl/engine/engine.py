@@ -16,6 +16,7 @@ from minisgl.attention.base import AttentionBackend, BatchLayout
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
+from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.config import ModelConfig
@@ -87,11 +88,16 @@ class Engine:
         rows = config.max_running_requests + 1  # the extra row is scratch for padding
         width = self.context_length + config.page_size
         self.page_table = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        # The pool has one page more than the allocator hands out: padding rows of CUDA-graph
+        # batches read and write it, and the spare page-table row points at it.
+        self.scratch_slot = self.pool.num_pages * config.page_size
+        self.page_table[-1].fill_(self.scratch_slot)
         self.attn_backend = self._make_backend()
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_compile=self.device.type == "cuda")
         self.penalties = PenaltyState(rows, cfg.vocab_size, self.device)
         # The token each table row sampled last: the next decode's input under overlap.
         self.last_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self.graph_runner = self._make_graph_runner()
 
     # ---------------------------------------------------------------- setup
     def _load_weights(self) -> None:
@@ -127,12 +133,14 @@ class Engine:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
             num_pages = int(t.item())
         logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, c.page_size, num_pages * per_page / 2**30)
-        return KVPool(cfg.num_layers, num_pages, c.page_size, kv_heads, cfg.head_dim, self.dtype, self.device)
+        pool = KVPool(cfg.num_layers, num_pages + 1, c.page_size, kv_heads, cfg.head_dim, self.dtype, self.device)
+        pool.num_pages = num_pages  # usable pages; the extra one is the scratch page
+        return pool
 
     def _make_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
         if name == "auto":
-            name = "torch"
+            name = "triton" if self.device.type == "cuda" else "torch"
         if name == "torch":
             from minisgl.attention.torch_backend import TorchBackend
 
@@ -142,6 +150,19 @@ class Engine:
 
             return TritonBackend(self.pool)
         raise ValueError(f"attention_backend={name!r} is not available")
+
+    def _make_graph_runner(self) -> CudaGraphRunner | None:
+        c = self.config
+        if self.device.type != "cuda" or c.cuda_graph_max_bs == 0:
+            return None
+        if not hasattr(self.attn_backend, "graph_capturable"):
+            logger.warning("CUDA graphs need the triton attention backend; running eagerly")
+            return None
+        max_bs = c.cuda_graph_max_bs
+        if max_bs is None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            max_bs = 256 if total > 80 * 2**30 else 160
+        return CudaGraphRunner(self, min(max_bs, c.max_running_requests))
 
     # ---------------------------------------------------------------- step
     def to_device(self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -178,15 +199,20 @@ class Engine:
         if from_device:
             pos, rows = zip(*from_device)
             ids[self.to_device(list(pos))] = self.last_tokens[self.to_device(list(rows))]
-        batch = ForwardBatch(
-            input_ids=ids,
-            positions=self.to_device(positions),
-            out_slots=self.to_device(out_slots),
-            attn_backend=self.attn_backend,
-            attn_metadata=self.attn_backend.prepare(layout, self.device),
-            logits_index=self.to_device(logits_index),
-        )
-        logits = self.model(batch)
+        if self.graph_runner is not None and self.graph_runner.can_run(layout):
+            logits = self.graph_runner.run(
+                layout, ids, self.to_device(positions), self.to_device(out_slots)
+            )
+        else:
+            batch = ForwardBatch(
+                input_ids=ids,
+                positions=self.to_device(positions),
+                out_slots=self.to_device(out_slots),
+                attn_backend=self.attn_backend,
+                attn_metadata=self.attn_backend.prepare(layout, self.device),
+                logits_index=self.to_device(logits_index),
+            )
+            logits = self.model(batch)
         if not sample_rows or sampling is None:
             return None
         out = self.sampler.sample(

@@ -1,16 +1,14 @@
 """Batched on-device sampling: penalties, temperature, top-k/top-p/min-p, logprobs.
 
-`Sampler.sample` never syncs with the host: every branch is decided by host flags that
-`SamplingBatch.build` computed. Noise is counter based, a hash of (seed, step, vocab id),
-so a request's tokens depend only on its own seed and output position, not on the rest
-of the batch. The exponential race argmax(logit/T - log E_v), E_v ~ Exp(1), draws v with
-probability softmax(logit/T)_v; restricted to the tokens that survive filtering, it draws
-from the renormalised distribution.
-"""
+`Sampler.sample` never syncs with the host: host flags from `SamplingBatch.build` pick the
+work. Noise is a hash of (seed, step, vocab id), so a request's tokens depend only on its
+seed and output position, never on the rest of the batch. The exponential race (Gumbel-max)
+argmax(logit/T - log E_v), E_v ~ Exp(1), over the tokens that survive filtering draws from
+the renormalised softmax(logit/T)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,15 +16,13 @@ from torch import Tensor
 
 from minisgl.sampling_params import SamplingParams
 
-_U64 = (1 << 64) - 1
-# Stands in for "top-k off" when the vocab size is unknown at build time; the
-# sampler never masks a position >= the row's k, so any k >= V behaves as off.
+# "top-k off": the sampler never masks a position >= the row's k, so any k >= V is off.
 TOP_K_OFF = 1 << 30
 
 
 def _i64(c: int) -> int:
-    """Reinterpret a uint64 constant as the int64 with the same bits."""
-    c &= _U64
+    """The int64 with the same low 64 bits as `c` (torch has no full uint64 arithmetic)."""
+    c &= (1 << 64) - 1
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
@@ -57,30 +53,43 @@ def row_keys(seeds: Tensor, steps: Tensor) -> Tensor:
     return _mix64_(mix64(seeds).add_((steps + 1) * _GAMMA))
 
 
-def uniform_noise(seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
-    """Uniform (0, 1) float32 noise u[b, j] = hash(seeds[b], steps[b], ids[b, j]).
-
-    `ids` is [B, N] (or [N], broadcast over rows). Only 31 bits are used, spaced 2^-31,
-    which is ample for float32 and keeps the values strictly inside (0, 1).
-    """
+def _hash32(seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
+    # Low 32 bits of splitmix64(key + (id + 1) * gamma), forced odd so that m / 2^32 > 0.
     z = _mix64_(row_keys(seeds, steps).unsqueeze(1) + (ids.to(torch.int64) + 1) * _GAMMA)
-    u = _shr(z, 33).to(torch.float32).mul_(2.0**-31).add_(2.0**-32)
-    # k * 2^-31 rounds up to 1.0 in float32 for the top few k; keep the log finite.
-    return u.clamp_(max=1.0 - 2.0**-24)
+    return z.bitwise_and_(0xFFFFFFFF).bitwise_or_(1)
 
 
-def gumbel_noise(seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
-    """-log(E) with E = -log1p(-u) ~ Exp(1); log1p keeps small E (the winners) precise."""
-    return uniform_noise(seeds, steps, ids).neg_().log1p_().neg_().log_().neg_()
+def uniform_noise(seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
+    """u[b, j] = hash(seeds[b], steps[b], ids[b, j]) / 2^32 in (0, 1], float32; `ids` is
+    [B, N] or [N]. The 64 largest odd hashes (p = 2^-25) round to exactly 1.0."""
+    return _hash32(seeds, steps, ids).to(torch.float32).mul_(2.0**-32)
+
+
+def race(scores: Tensor, seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
+    """argmax_j(scores[b, j] - log E[b, j]), E = -log1p(-u) ~ Exp(1): j with probability
+    softmax(scores[b])_j; -inf (masked) entries never win, and row b depends on row b alone.
+    log1p keeps small E (the winners) exact to 2^-32; u == 1.0 gives E = inf, so that
+    token merely loses that one draw."""
+    neg_u = _hash32(seeds, steps, ids).to(torch.float32).mul_(-(2.0**-32))
+    return (scores - neg_u.log1p_().neg_().log_()).argmax(dim=-1)
+
+
+def _h2d(t: Tensor, device: torch.device | str) -> Tensor:
+    # From pageable host memory a copy syncs the CUDA stream; from pinned memory it need not.
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+def _min_p_mask(x: Tensor, row_max: Tensor, min_ps: Tensor) -> Tensor:
+    # p_v < min_p * p_max <=> logit_v < max_logit + log(min_p); min_p == 0 masks nothing.
+    return x.masked_fill(x < row_max + torch.log(min_ps).unsqueeze(1), float("-inf"))
 
 
 class PenaltyState:
-    """Per-slot output-token counts and prompt-token masks for the penalties.
-
-    The [max_slots, V] tensors appear at the first `reset_slot`, so a server where nobody
-    uses penalties pays nothing (`add_tokens` is a no-op until then). Stale slots of
-    requests without penalties are harmless: their penalties are neutral.
-    """
+    """Per-slot output-token counts and prompt-token masks, [max_slots, V], allocated by the
+    first `reset_slot` (`add_tokens` is a no-op before). Stale slots of requests without
+    penalties are harmless: their penalties are neutral."""
 
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str) -> None:
         self.max_slots = max_slots
@@ -89,10 +98,6 @@ class PenaltyState:
         self.output_counts: Tensor | None = None  # [max_slots, V] int32
         self.prompt_mask: Tensor | None = None  # [max_slots, V] bool
 
-    @property
-    def allocated(self) -> bool:
-        return self.output_counts is not None
-
     def reset_slot(self, slot: int, prompt_ids: Tensor, output_ids: Tensor | None = None) -> None:
         """Start a request in `slot`; `output_ids` restores counts after a recompute."""
         shape, dev = (self.max_slots, self.vocab_size), self.device
@@ -100,11 +105,10 @@ class PenaltyState:
             self.output_counts = torch.zeros(shape, dtype=torch.int32, device=dev)
         if self.prompt_mask is None:
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
-        counts, prompt = self.output_counts[slot], self.prompt_mask[slot]
-        counts.zero_()
-        prompt.zero_().index_fill_(0, prompt_ids.to(dev, torch.int64), True)
+        counts, prompt = self.output_counts[slot].zero_(), self.prompt_mask[slot].zero_()
+        prompt.index_fill_(0, _h2d(prompt_ids.long(), dev), True)
         if output_ids is not None:
-            ids = output_ids.to(dev, torch.int64)
+            ids = _h2d(output_ids.long(), dev)
             counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def add_tokens(self, slots: Tensor, tokens: Tensor) -> None:
@@ -112,8 +116,7 @@ class PenaltyState:
         if self.output_counts is None:
             return
         flat = slots.to(torch.int64) * self.vocab_size + tokens.to(torch.int64)
-        ones = torch.ones_like(flat, dtype=torch.int32)
-        self.output_counts.view(-1).scatter_add_(0, flat, ones)
+        self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
 
 @dataclass
@@ -122,7 +125,7 @@ class SamplingBatch:
 
     temperatures: Tensor  # [B] float32, 0 for greedy rows
     top_ps: Tensor  # [B] float32
-    top_ks: Tensor  # [B] int64, >= V (or TOP_K_OFF) when off
+    top_ks: Tensor  # [B] int64, TOP_K_OFF when off
     min_ps: Tensor  # [B] float32
     seeds: Tensor  # [B] int64
     steps: Tensor  # [B] int64, output position of the token being sampled
@@ -134,7 +137,7 @@ class SamplingBatch:
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
-    max_top_k: int  # largest k over sampled rows (TOP_K_OFF/V if any is off)
+    max_top_k: int  # largest k over sampled rows (TOP_K_OFF if any is off)
     need_logprobs: bool
     max_top_logprobs: int
 
@@ -150,32 +153,32 @@ class SamplingBatch:
         seeds: Sequence[int],
         steps: Sequence[int],
         device: torch.device | str,
-        vocab_size: int | None = None,
     ) -> SamplingBatch:
-        if not (len(params) == len(seeds) == len(steps)):
-            raise ValueError(f"lengths differ: {len(params)=}, {len(seeds)=}, {len(steps)=}")
-        off = TOP_K_OFF if vocab_size is None else vocab_size
-        temps, top_ps, min_ps, top_ks = [], [], [], []
-        for p in params:
-            # Greedy rows get neutral filters so they never force a sort on the others.
-            g = p.is_greedy
-            temps.append(0.0 if g else p.temperature)
-            top_ps.append(1.0 if g else p.top_p)
-            min_ps.append(0.0 if g else p.min_p)
-            top_ks.append(off if g or p.top_k <= 0 else min(p.top_k, off))
-        reps = [p.repetition_penalty for p in params]
-        freqs = [p.frequency_penalty for p in params]
-        press = [p.presence_penalty for p in params]
-        sampled = [j for j, t in enumerate(temps) if t != 0.0]
-
+        """Host lists -> device tensors; steps[i] is the output index row i is sampling."""
+        fl: list[tuple[float, ...]] = []  # one row per request; transposed below
+        ints: list[tuple[int, int, int]] = []
+        n_sampled = max_k = 0
+        need_k = need_p = need_min_p = need_rep = need_freq = need_pres = False
+        for p, seed, step in zip(params, seeds, steps, strict=True):
+            rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            need_rep, need_freq = need_rep or rep != 1.0, need_freq or freq != 0.0
+            need_pres = need_pres or pres != 0.0
+            k = TOP_K_OFF
+            if p.temperature == 0 or p.top_k == 1:
+                # Greedy rows get neutral filters so they never force a sort on the others.
+                fl.append((0.0, 1.0, 0.0, rep, freq, pres))
+            else:
+                n_sampled += 1
+                k = min(p.top_k, TOP_K_OFF) if p.top_k > 0 else TOP_K_OFF
+                need_k, need_p = need_k or k < TOP_K_OFF, need_p or p.top_p < 1.0
+                need_min_p = need_min_p or p.min_p > 0.0
+                max_k = max(max_k, k)
+                fl.append((p.temperature, p.top_p, p.min_p, rep, freq, pres))
+            ints.append((k, _i64(seed), step))
         # Two packed host tensors -> two H2D copies per step instead of nine.
-        dev = torch.device(device)
-        pin = dev.type == "cuda" and torch.cuda.is_available()
-        f_host = torch.tensor([temps, top_ps, min_ps, reps, freqs, press], dtype=torch.float32)
-        i_host = torch.tensor([top_ks, [_i64(s) for s in seeds], list(steps)], dtype=torch.int64)
-        if pin:
-            f_host, i_host = f_host.pin_memory(), i_host.pin_memory()
-        f, i = f_host.to(dev, non_blocking=True), i_host.to(dev, non_blocking=True)
+        f_host = torch.tensor(fl, dtype=torch.float32).reshape(-1, 6).T.contiguous()
+        i_host = torch.tensor(ints, dtype=torch.int64).reshape(-1, 3).T.contiguous()
+        f, i = _h2d(f_host, device), _h2d(i_host, device)
         return cls(
             temperatures=f[0],
             top_ps=f[1],
@@ -183,15 +186,15 @@ class SamplingBatch:
             min_ps=f[2],
             seeds=i[1],
             steps=i[2],
-            repetition_penalties=f[3] if any(r != 1.0 for r in reps) else None,
-            frequency_penalties=f[4] if any(x != 0.0 for x in freqs) else None,
-            presence_penalties=f[5] if any(x != 0.0 for x in press) else None,
-            all_greedy=not sampled,
-            any_greedy=len(sampled) < len(params),
-            need_top_k=any(top_ks[j] < off for j in sampled),
-            need_top_p=any(top_ps[j] < 1.0 for j in sampled),
-            need_min_p=any(min_ps[j] > 0.0 for j in sampled),
-            max_top_k=max((top_ks[j] for j in sampled), default=off),
+            repetition_penalties=f[3] if need_rep else None,
+            frequency_penalties=f[4] if need_freq else None,
+            presence_penalties=f[5] if need_pres else None,
+            all_greedy=n_sampled == 0,
+            any_greedy=n_sampled < len(params),
+            need_top_k=need_k,
+            need_top_p=need_p,
+            need_min_p=need_min_p,
+            max_top_k=max_k,
             need_logprobs=any(p.wants_logprobs for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
@@ -206,6 +209,13 @@ class SampleOutput:
 
 
 class Sampler:
+    def __init__(self, use_compile: bool = False) -> None:
+        # Eager, the [B, V] hash is ~20 memory passes (~3 ms at B=256, V=152k, H200); compiled,
+        # one kernel. Its float logs may round unlike eager's: keep one Sampler per run.
+        self._race: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = (
+            torch.compile(race, dynamic=True) if use_compile else race
+        )
+
     def sample(
         self,
         logits: Tensor,
@@ -213,8 +223,7 @@ class Sampler:
         penalty_state: PenaltyState | None = None,
         penalty_rows: Tensor | None = None,
     ) -> SampleOutput:
-        """Pick one token per row of `logits` [B, V]. `penalty_rows[b]` is row b's slot
-        in `penalty_state` (defaults to slot == row)."""
+        """One token per row of `logits` [B, V]; row b's penalty slot is penalty_rows[b]."""
         x = logits
         if batch.need_penalties:
             x = self._apply_penalties(x.float(), batch, penalty_state, penalty_rows)
@@ -248,8 +257,7 @@ class Sampler:
             x = x - pres.unsqueeze(1) * (counts > 0)
         return x
 
-    @staticmethod
-    def _sample_rows(x: Tensor, batch: SamplingBatch) -> Tensor:
+    def _sample_rows(self, x: Tensor, batch: SamplingBatch) -> Tensor:
         # Greedy rows divide by 1 here; their result is replaced by the argmax later.
         temps = batch.temperatures
         x = x / torch.where(temps == 0, torch.ones_like(temps), temps).unsqueeze(1)
@@ -271,29 +279,21 @@ class Sampler:
                 top_ps = batch.top_ps.unsqueeze(1)
                 vals = vals.masked_fill((before >= top_ps) & (top_ps < 1), float("-inf"))
             if batch.need_min_p:
-                vals = Sampler._min_p_mask(vals, vals[:, :1], batch.min_ps)
-            scores = vals + gumbel_noise(batch.seeds, batch.steps, ids)
-            return ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+                vals = _min_p_mask(vals, vals[:, :1], batch.min_ps)
+            pick = self._race(vals, batch.seeds, batch.steps, ids)
+            return ids.gather(1, pick.unsqueeze(1)).squeeze(1)
         if batch.need_min_p:
-            x = Sampler._min_p_mask(x, x.amax(dim=-1, keepdim=True), batch.min_ps)
+            x = _min_p_mask(x, x.amax(dim=-1, keepdim=True), batch.min_ps)
         ids = torch.arange(vocab, device=x.device)
-        return (x + gumbel_noise(batch.seeds, batch.steps, ids)).argmax(dim=-1)
-
-    @staticmethod
-    def _min_p_mask(x: Tensor, row_max: Tensor, min_ps: Tensor) -> Tensor:
-        # p_v < min_p * p_max  <=>  logit_v < logit_max + log(min_p), no softmax needed;
-        # min_p == 0 gives -inf, which masks nothing.
-        threshold = row_max + torch.log(min_ps).unsqueeze(1)
-        return x.masked_fill(x < threshold, float("-inf"))
+        return self._race(x, batch.seeds, batch.steps, ids)
 
     @staticmethod
     def _logprobs(logits: Tensor, next_tokens: Tensor, batch: SamplingBatch) -> SampleOutput:
         if not batch.need_logprobs:
             return SampleOutput(next_tokens, None, None, None)
-        # Raw logits, before penalties and temperature (vLLM's default).
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(logits.float(), dim=-1)  # raw logits, as vLLM by default
         chosen = logp.gather(1, next_tokens.unsqueeze(1)).squeeze(1)
         if batch.max_top_logprobs == 0:
             return SampleOutput(next_tokens, chosen, None, None)
-        top_vals, top_ids = torch.topk(logp, batch.max_top_logprobs, dim=-1, sorted=True)
+        top_vals, top_ids = torch.topk(logp, batch.max_top_logprobs, dim=-1)  # sorted
         return SampleOutput(next_tokens, chosen, top_ids, top_vals)

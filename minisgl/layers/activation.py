@@ -5,6 +5,11 @@ import torch.nn.functional as F
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        # Imported here so CPU-only installs never need triton.
+        from minisgl.kernels.activation import silu_and_mul as fused_silu_and_mul
+
+        return fused_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

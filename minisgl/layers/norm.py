@@ -11,6 +11,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # Imported here so CPU-only installs never need triton. Handles [T, H, D] views
+            # (q/k norm) in place of a reshape.
+            from minisgl.kernels.norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in float32, like Hugging Face, then cast back before the weight.
         dtype = x.dtype
         xf = x.float()
@@ -21,6 +27,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the fused pre-norm pattern."""
+        if x.is_cuda and residual is not None:
+            from minisgl.kernels.norm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self.forward(x), x

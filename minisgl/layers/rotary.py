@@ -88,6 +88,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies in the input dtype."""
+        if q.is_cuda:
+            # Imported here so CPU-only installs never need triton.
+            from minisgl.kernels.rope import apply_rope
+
+            return apply_rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

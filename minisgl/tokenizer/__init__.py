@@ -16,7 +16,12 @@ def load_tokenizer(resolved: ResolvedModel, override: str | None = None) -> Any:
         from minisgl.models.gguf_loader import load_gguf_tokenizer
 
         return load_gguf_tokenizer(resolved.path)
-    return AutoTokenizer.from_pretrained(str(resolved.path))
+    path = resolved.path
+    has_files = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    if not has_files:
+        # A config-only directory (dummy-weight benchmarks): token-id prompts only.
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def trim_stop(text: str, stop: str | list[str] | tuple[str, ...] | None) -> str:

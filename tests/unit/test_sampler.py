@@ -75,7 +75,7 @@ def test_uniform_noise_is_uniform_and_pure() -> None:
     seeds = torch.arange(50, dtype=torch.int64)
     steps = torch.arange(50, dtype=torch.int64) * 7
     u = uniform_noise(seeds, steps, torch.arange(4000))
-    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert 0.0 < float(u.min()) and float(u.max()) <= 1.0
     counts = torch.histc(u, bins=100, min=0.0, max=1.0)
     assert chi2_pvalue(counts, torch.full((100,), 0.01)) > P_MIN
     # A pure function of (seed, step, id): recomputing any subset gives the same values.
@@ -282,7 +282,7 @@ def reference_penalties(
 def test_penalty_state_lazy_reset_and_add() -> None:
     state = PenaltyState(max_slots=4, vocab_size=6, device="cpu")
     state.add_tokens(torch.tensor([0]), torch.tensor([1]))  # no-op before allocation
-    assert not state.allocated
+    assert state.output_counts is None
     state.reset_slot(2, torch.tensor([0, 3, 3]))
     state.add_tokens(torch.tensor([2, 2, 2, 1]), torch.tensor([5, 5, 1, 4]))
     assert state.output_counts is not None and state.prompt_mask is not None
@@ -405,42 +405,41 @@ def test_sample_does_not_sync_on_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dev = torch.device("cuda")
-    logits = torch.randn(8, 1000, device=dev, dtype=torch.bfloat16)
+    logits = torch.randn(8, 1000, generator=torch.Generator().manual_seed(5)).bfloat16()
     params = [
         SamplingParams(temperature=0.0, repetition_penalty=1.2, top_logprobs=3),
         SamplingParams(temperature=0.7, top_p=0.9, frequency_penalty=0.5),
         SamplingParams(temperature=1.0, top_k=20, min_p=0.1, presence_penalty=0.3),
         SamplingParams(temperature=1.0, logprobs=True),
     ] * 2
-    state = PenaltyState(8, 1000, dev)
-    for slot in range(8):
-        state.reset_slot(slot, torch.tensor([1, 2, 3], device=dev))
-    rows = torch.arange(8, device=dev)
-    batch = SamplingBatch.build(params, list(range(8)), [0] * 8, dev)
+    rows = torch.arange(8)
+
+    def fresh_state(device: torch.device | str) -> PenaltyState:
+        state = PenaltyState(8, 1000, device)
+        for slot in range(8):
+            state.reset_slot(slot, torch.tensor([1, 2, 3]), torch.tensor([4, 4]))
+        return state
+
+    def sample(sampler: Sampler, device: torch.device | str) -> torch.Tensor:
+        batch = SamplingBatch.build(params, list(range(8)), [3] * 8, device)
+        out = sampler.sample(logits.to(device), batch, fresh_state(device), rows.to(device))
+        return out.next_tokens.cpu()
+
+    gpu_logits, gpu_rows = logits.to(dev), rows.to(dev)
+    fresh_state(dev)  # warm the pinned-memory pool outside the checked region
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = SAMPLER.sample(logits, batch, state, rows)
-        state.add_tokens(rows, out.next_tokens)
+        # Host -> device steps (reset_slot, build) must not sync either.
+        state = fresh_state(dev)
+        batch = SamplingBatch.build(params, list(range(8)), [3] * 8, dev)
         greedy = SamplingBatch.build([SamplingParams(temperature=0)] * 8, [0] * 8, [0] * 8, dev)
-        SAMPLER.sample(logits, greedy)
+        out = SAMPLER.sample(gpu_logits, batch, state, gpu_rows)
+        state.add_tokens(gpu_rows, out.next_tokens)
+        SAMPLER.sample(gpu_logits, greedy)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    cpu = SAMPLER.sample(
-        logits.cpu(),
-        SamplingBatch.build(params, list(range(8)), [0] * 8, "cpu"),
-        _cpu_state(state),
-        rows.cpu(),
-    )
-    # Same hash on both devices -> same tokens (modulo float ties, absent here).
-    assert torch.equal(out.next_tokens.cpu(), cpu.next_tokens)
-
-
-def _cpu_state(state: PenaltyState) -> PenaltyState:
-    cpu = PenaltyState(state.max_slots, state.vocab_size, "cpu")
-    assert state.output_counts is not None and state.prompt_mask is not None
-    # The CUDA state already includes this step's tokens; undo nothing, just copy the
-    # pre-step snapshot the CPU run needs: prompts only, no outputs yet.
-    cpu.output_counts = torch.zeros_like(state.output_counts, device="cpu")
-    cpu.prompt_mask = state.prompt_mask.cpu()
-    return cpu
+    # Same hash on both devices -> same tokens (barring exact float ties, absent here).
+    assert torch.equal(out.next_tokens.cpu(), sample(SAMPLER, "cpu"))
+    # The compiled race fuses the hash into one kernel but must draw the same tokens.
+    assert torch.equal(out.next_tokens.cpu(), sample(Sampler(use_compile=True), dev))

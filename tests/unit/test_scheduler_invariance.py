@@ -36,7 +36,9 @@ VARIANTS = {
     "small-pool": dict(num_pages=260, max_running_requests=6, init_new_token_ratio=0.05),
     "small-pool-page4": dict(num_pages=70, page_size=4, chunked_prefill_size=32, init_new_token_ratio=0.05),
     "lpm": dict(schedule_policy="lpm"),
-    "naive-small-pool-nomixed": dict(cache="naive", num_pages=200, disable_mixed_batch=True),
+    "naive-small-pool-nomixed": dict(
+        cache="naive", num_pages=200, disable_mixed_batch=True, init_new_token_ratio=0.05
+    ),
     # Overlap scheduling (results processed one step late) forced on, also on CPU.
     "overlap": dict(overlap=True),
     "overlap-small-pool-chunk16": dict(

@@ -1,0 +1,60 @@
+"""Batch-1 decode latency: milliseconds per output token after the first.
+
+    python benchmark/offline/bench_latency.py --model benchmark/configs/Qwen3-8B --load-format dummy
+
+ms/token = (time for 1 + N tokens - time for 1 token) / N, for one request with a 128-token
+prompt, greedy, ignore_eos; each measured as the best of a few repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from minisgl import LLM, SamplingParams  # noqa: E402
+
+
+def timed(llm: LLM, prompt: list[int], n: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    options: dict[str, object] = {"load_format": args.load_format, "context_length": 4096}
+    for kv in args.engine_arg:
+        key, value = kv.split("=", 1)
+        options[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+    llm = LLM(args.model, **options)  # type: ignore[arg-type]
+    prompt = [(7 * i) % 1000 + 10 for i in range(128)]
+    timed(llm, prompt, 8, 1)  # warm-up
+    first = timed(llm, prompt, 1, args.repeats)
+    total = timed(llm, prompt, 1 + args.tokens, args.repeats)
+    ms = (total - first) / args.tokens * 1000
+    result = {"bench": "latency_bs1", "model": args.model or "default", "ttft_ms": round(first * 1000, 2),
+              "decode_ms_per_token": round(ms, 3), "options": options}
+    print(f"TTFT {first * 1000:.1f} ms, decode {ms:.3f} ms/token")
+    print(json.dumps(result))
+    if args.output:
+        with open(args.output, "a") as f:
+            f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Attention on our own Triton kernels: split-KV paged decode and causal paged extend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.store import store_kv
+from minisgl.kvcache.pool import KVPool
+
+
+@dataclass
+class TritonMetadata:
+    is_decode: bool
+    batch: int
+    page_table: torch.Tensor  # the layout's table; kernels read token slots straight from it
+    row_ids: torch.Tensor  # [B] int32 page-table row of each batch row
+    prefix_lens: torch.Tensor  # [B] int32
+    extend_lens: torch.Tensor  # [B] int32
+    seq_lens: torch.Tensor  # [B] int32 prefix + extend
+    extend_starts: torch.Tensor  # [B] int32 first flat token of each row
+    num_splits: torch.Tensor  # [B] int32 KV chunks per row (decode only, else empty)
+    max_splits: int  # decode grid's split axis; fixed per backend for CUDA-graph replay
+    block_batch: torch.Tensor  # [NB] int32 row of each extend query tile (extend only)
+    block_qstart: torch.Tensor  # [NB] int32 first new token of each tile within its row
+    block_m: int
+    block_n: int
+    num_warps: int
+    packed: torch.Tensor  # the one device buffer every index tensor above is a view of
+
+
+def extend_tiles(head_dim: int, max_extend: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the extend kernel for Hopper-class GPUs."""
+    if head_dim > 128:
+        return 64, 32, 8  # keeps the fp32 accumulator and K/V tiles in registers/smem
+    block_m = 64 if max_extend <= 64 else 128  # short rows waste less of a smaller tile
+    return block_m, 64, 8 if head_dim > 64 else 4
+
+
+def plan_decode_splits(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    num_sms: int,
+    max_splits: int,
+    min_split_tokens: int,
+    block_n: int,
+) -> list[int]:
+    """KV chunks per decode row, so that B * Hk * splits programs fill about two waves of SMs.
+
+    Splitting only pays when the batch alone leaves SMs idle, and a chunk shorter than
+    ``min_split_tokens`` costs more in the reduction than it saves. The count is then
+    shrunk so that every chunk, rounded up to ``block_n`` as the kernel does, is non-empty.
+    """
+    base = max(1, len(seq_lens) * num_kv_heads)
+    want = max(1, min(max_splits, triton.cdiv(2 * num_sms, base)))
+    plan = []
+    for length in seq_lens:
+        length = max(length, 1)  # padding rows of a captured graph may be empty
+        n = max(1, min(want, triton.cdiv(length, min_split_tokens)))
+        chunk = triton.cdiv(triton.cdiv(length, n), block_n) * block_n
+        plan.append(max(1, triton.cdiv(length, chunk)))
+    return plan
+
+
+class TritonBackend(AttentionBackend):
+    # Decode launch shapes depend only on the batch size, so a CUDA graph captured on one
+    # batch's metadata replays any same-size decode batch after copy_metadata.
+    graph_capturable = True
+
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        max_kv_splits: int = 16,
+        min_split_tokens: int = 256,
+        num_sms: int | None = None,
+        decode_block_n: int = 64,
+        extend_block_m: int | None = None,
+        extend_block_n: int | None = None,
+    ) -> None:
+        super().__init__(pool)
+        self.max_kv_splits = max_kv_splits
+        self.min_split_tokens = min_split_tokens
+        self.num_sms = num_sms
+        self.decode_block_n = decode_block_n
+        # Overrides exist so tests can force many small tiles; None = per-head-dim defaults.
+        self.extend_block_m = extend_block_m
+        self.extend_block_n = extend_block_n
+
+    def _sm_count(self, device: torch.device) -> int:
+        if self.num_sms is None:
+            if device.type == "cuda":
+                self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            else:
+                self.num_sms = 8  # interpreter runs: keep the split axis small
+        return self.num_sms
+
+    def prepare(self, layout: BatchLayout, device: torch.device) -> TritonMetadata:
+        prefix, ext = layout.prefix_lens, layout.extend_lens
+        seq = layout.seq_lens
+        bsz = len(ext)
+        starts, acc = [], 0
+        for e in ext:
+            starts.append(acc)
+            acc += e
+        is_decode = layout.is_decode
+        splits: list[int] = []
+        block_batch: list[int] = []
+        block_qstart: list[int] = []
+        block_m, block_n, warps = extend_tiles(self.pool.head_dim, max(ext))
+        if is_decode:
+            splits = plan_decode_splits(
+                seq, self.pool.num_kv_heads, self._sm_count(device), self.max_kv_splits,
+                self.min_split_tokens, self.decode_block_n,
+            )  # fmt: skip
+        else:
+            block_m = self.extend_block_m or block_m
+            block_n = self.extend_block_n or block_n
+            for i, e in enumerate(ext):
+                for q0 in range(0, e, block_m):
+                    block_batch.append(i)
+                    block_qstart.append(q0)
+        # One host-to-device copy for every index the kernels need.
+        fields = [layout.req_rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
+        flat = torch.tensor([x for f in fields for x in f], dtype=torch.int32).to(device)
+        parts = flat.split([len(f) for f in fields])
+        return TritonMetadata(
+            is_decode=is_decode,
+            batch=bsz,
+            page_table=layout.page_table,
+            row_ids=parts[0],
+            prefix_lens=parts[1],
+            extend_lens=parts[2],
+            seq_lens=parts[3],
+            extend_starts=parts[4],
+            num_splits=parts[5],
+            max_splits=self.max_kv_splits,
+            block_batch=parts[6],
+            block_qstart=parts[7],
+            block_m=block_m,
+            block_n=block_n,
+            num_warps=warps,
+            packed=flat,
+        )
+
+    def copy_metadata(self, dst: object, src: object) -> None:
+        """Write decode metadata ``src`` into captured ``dst`` in place (one device copy)."""
+        assert isinstance(dst, TritonMetadata) and isinstance(src, TritonMetadata)
+        assert dst.is_decode and src.is_decode and dst.batch == src.batch
+        assert dst.page_table is src.page_table, "graphs read the engine's one page table"
+        dst.packed.copy_(src.packed, non_blocking=True)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        out_slots: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        md = metadata
+        assert isinstance(md, TritonMetadata)
+        k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
+        store_kv(k_cache, v_cache, k, v, out_slots)
+        if md.is_decode:
+            return decode_attention(
+                q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
+                md.max_splits, scale, block_n=self.decode_block_n,
+            )  # fmt: skip
+        return extend_attention(
+            q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,
+            md.extend_starts, md.block_batch, md.block_qstart, scale, md.block_m, md.block_n,
+            md.num_warps,
+        )  # fmt: skip

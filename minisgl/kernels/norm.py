@@ -1,0 +1,129 @@
+"""RMSNorm in Triton, optionally fused with the residual add that precedes it.
+
+Rounding follows the torch reference (Hugging Face's order): the residual sum is rounded
+to the activation dtype, statistics run in float32, the normalised row is rounded to the
+activation dtype, and only then is it multiplied by the weight. Each row's elements must be
+contiguous; rows themselves may be strided, either [N, D] or a [T, H, D] per-head view (q/k
+norm straight on slices of a fused QKV output, without a copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements one program covers: short rows (q/k norm over head_dim) are packed several to a
+# program so each one still moves a useful amount of data.
+_TILE = 2048
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    n_rows,
+    n_cols,
+    heads,
+    stride_xt,
+    stride_xh,
+    stride_rt,
+    stride_rh,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    # Row r is (token r // heads, head r % heads); plain 2-D input has heads == 1.
+    tok = rows // heads
+    head = rows % heads
+    x_off = (tok * stride_xt + head * stride_xh)[:, None] + cols[None, :]
+    out_off = (rows * n_cols)[:, None] + cols[None, :]
+    dtype = x_ptr.dtype.element_ty
+
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0)
+    if HAS_RES:
+        r_off = (tok * stride_rt + head * stride_rh)[:, None] + cols[None, :]
+        r = tl.load(res_ptr + r_off, mask=mask, other=0.0)
+        # torch adds half-precision tensors in float32 and rounds once; do the same.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + out_off, x, mask=mask)
+
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=1) / n_cols
+    rstd = tl.rsqrt(var + eps)
+    # Round to the activation dtype before the weight multiply, as the reference does.
+    y = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_off, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """Returns (x with unit last stride, heads, token stride, head stride) for the kernel."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x, x.shape[1], x.stride(0), x.stride(1)
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])  # a view whenever the dims allow it
+    return x, 1, x.stride(0), 0
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    d = x.shape[-1]
+    assert weight.shape == (d,) and weight.is_contiguous(), (weight.shape, d)
+    assert weight.device == x.device
+    # Same dtype rule as `weight * normed` in torch: x.dtype whenever the weight matches it.
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+            residual.shape,
+            residual.dtype,
+        )
+        res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out, res_out
+
+    xk, heads, sxt, sxh = _rows(x)
+    rk, srt, srh = xk, 0, 0
+    if residual is not None:
+        rk, r_heads, srt, srh = _rows(residual)
+        assert r_heads == heads
+    n_rows = xk.numel() // d
+    block_n = triton.next_power_of_2(d)
+    # Depends on the row width only, so one compiled variant serves every batch size.
+    block_m = max(1, _TILE // block_n)
+    num_warps = min(16, max(4, block_m * block_n // 1024))
+    grid = (triton.cdiv(n_rows, block_m),)
+    _rms_norm_kernel[grid](
+        xk, rk, weight, out, res_out if res_out is not None else out,
+        n_rows, d, heads, sxt, sxh, srt, srh, eps,
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` ([N, D], or a [T, H, D] per-head view); a new,
+    contiguous tensor of x's shape."""
+    out, _ = _launch(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rmsnorm(x + residual) * weight, x + residual) from one pass over memory."""
+    out, res_out = _launch(x, residual, weight, eps)
+    assert res_out is not None
+    return out, res_out

@@ -1,0 +1,110 @@
+"""GPU checks (run through the device tool: `python -m pytest tests/gpu -m gpu`).
+
+Greedy outputs of a tiny random model equal Hugging Face transformers on the GPU; the
+triton and torch attention backends agree; CUDA graphs and overlap scheduling on/off give
+identical greedy tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from tests.conftest import assert_engine_clean
+from tests.helpers import make_tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3", max_position_embeddings=2048)
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(3)
+    system = [rng.randrange(3, 256) for _ in range(300)]
+    prompts = []
+    for i in range(24):
+        tail = [rng.randrange(3, 256) for _ in range(rng.randint(1, 200))]
+        prompts.append(system + tail if i % 2 else tail)
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 64), ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+def _hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
+    out = []
+    for ids in prompts:
+        g = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        out.append(g[0, len(ids):].tolist())
+    return out
+
+
+def test_matches_hf_on_gpu_fp32(tiny: Path) -> None:
+    prompts = [[5, 6, 7], list(range(10, 90)), [42] * 17]
+    ref = _hf_greedy(tiny, prompts, 24, torch.float32)
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tiny), dtype="float32", attention_backend=backend)
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        assert [r["token_ids"] for r in out] == ref, backend
+        assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(attention_backend="torch", cuda_graph_max_bs=0, disable_overlap_scheduling=True),
+        dict(attention_backend="triton", cuda_graph_max_bs=0, disable_overlap_scheduling=True),
+        dict(attention_backend="triton", cuda_graph_max_bs=0),
+        dict(attention_backend="triton", disable_overlap_scheduling=True),
+        dict(attention_backend="triton"),
+        dict(attention_backend="triton", page_size=16),
+        dict(attention_backend="triton", chunked_prefill_size=64, cache="naive"),
+    ],
+    ids=["torch-eager-sync", "triton-eager-sync", "triton-eager-overlap", "triton-graph-sync",
+         "triton-graph-overlap", "page16", "chunk64-naive"],
+)
+def test_switches_do_not_change_greedy_fp32(tiny: Path, options: dict) -> None:
+    prompts, params = _workload()
+    base = LLM(str(tiny), dtype="float32", attention_backend="torch", cuda_graph_max_bs=0,
+               disable_overlap_scheduling=True, cache="naive")
+    ref = [r["token_ids"] for r in base.generate(prompts, params)]
+    llm = LLM(str(tiny), dtype="float32", **options)
+    out = [r["token_ids"] for r in llm.generate(prompts, params)]
+    assert out == ref
+    assert_engine_clean(llm)
+
+
+def test_bf16_graphs_and_overlap_identical(tiny: Path) -> None:
+    """bf16 (the CUDA default): graphs/overlap on vs off must agree exactly."""
+    prompts, params = _workload()
+    outs = []
+    for opts in (dict(cuda_graph_max_bs=0, disable_overlap_scheduling=True), {}):
+        llm = LLM(str(tiny), **opts)
+        outs.append([r["token_ids"] for r in llm.generate(prompts, params)])
+        assert_engine_clean(llm)
+    assert outs[0] == outs[1]
+
+
+def test_exact_max_tokens_and_eos_under_overlap(tiny: Path) -> None:
+    llm = LLM(str(tiny), dtype="float32")
+    assert llm.scheduler.overlap
+    full = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]["token_ids"]
+    for n in (1, 2, 7):
+        r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        assert r["token_ids"] == full[:n]
+    stop = full[6]
+    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))[0]
+    assert r["token_ids"] == full[: full.index(stop) + 1]  # nothing after the stop token
+    assert_engine_clean(llm)

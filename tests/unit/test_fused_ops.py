@@ -1,0 +1,291 @@
+"""Triton RMSNorm / fused-add RMSNorm / RoPE / SiLU-and-mul against the torch layers.
+
+Without CUDA the kernels run in Triton's interpreter, which triton only honours if
+TRITON_INTERPRET is set before its first import. Other test modules may import triton
+first, so every check runs in one child process started with the variable set (this file
+run as a script prints a JSON verdict per check); each pytest test asserts on its entry.
+The same checks run in-process on CUDA under the ``gpu`` marker.
+
+The interpreter casts float32 -> bfloat16 by truncation, not round-to-nearest-even as
+GPUs do, so bfloat16 results are compared with a tolerance of a few ulps here; float16
+and float32 casts round correctly in it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from minisgl.layers import activation as torch_act
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.models.config import RopeConfig
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (atol, rtol): float32 tight; half precision allows a few ulps (reduction order, exp, and
+# the interpreter's truncating bf16 cast).
+TOL = {F32: (1e-5, 1e-5), F16: (4e-3, 4e-3), BF16: (4e-2, 4e-2)}
+EPS = 1e-6
+
+
+class Skip(Exception):
+    """Raised by a check that cannot run on this device."""
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+
+
+def _rounds_like_torch(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether casts to ``dtype`` round to nearest even here, as torch's do."""
+    return dtype == F16 or (dtype == BF16 and device.type == "cuda")
+
+
+def _same_rounding(out: torch.Tensor, ref: torch.Tensor, min_frac: float = 0.99) -> None:
+    """Nearly all elements bit-equal: the kernel rounds at the reference's points (a float32
+    reduction or exp in another order may still flip an occasional last bit)."""
+    frac = (out.cpu() == ref).float().mean().item()
+    assert frac >= min_frac, f"only {frac:.4f} of elements match the reference exactly"
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def _norm_layer(d: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    """A CPU layer (so it runs the torch reference path) with a non-trivial weight."""
+    layer = RMSNorm(d, EPS)
+    layer.weight.data = 1 + 0.5 * _randn(d, dtype=F32, device=torch.device("cpu"), seed=seed)
+    return layer.to(dtype)
+
+
+# ---- checks: each takes the device and raises on mismatch ----
+
+
+def check_rms_norm(device: torch.device) -> None:
+    from minisgl.kernels.norm import rms_norm
+
+    for dtype in (F32, BF16, F16):
+        for rows, d in ((5, 96), (3, 576), (37, 64), (1, 1000)):
+            layer = _norm_layer(d, dtype, seed=d)
+            x = _randn(rows, d, dtype=dtype, device=device, seed=rows)
+            out = rms_norm(x, layer.weight.to(device), EPS)
+            _close(out, layer(x.cpu()), dtype)
+            if _rounds_like_torch(dtype, device):
+                _same_rounding(out, layer(x.cpu()))
+
+
+def check_fused_add_rms_norm(device: torch.device) -> None:
+    from minisgl.kernels.norm import fused_add_rms_norm
+
+    for dtype in (F32, BF16, F16):
+        for rows, d in ((5, 96), (4, 576), (33, 128)):
+            layer = _norm_layer(d, dtype, seed=d)
+            x = _randn(rows, d, dtype=dtype, device=device, seed=1)
+            res = 3 * _randn(rows, d, dtype=dtype, device=device, seed=2)
+            out, new_res = fused_add_rms_norm(x, res, layer.weight.to(device), EPS)
+            ref_out, ref_res = layer.forward_with_residual(x.cpu(), res.cpu())
+            _close(out, ref_out, dtype)
+            _close(new_res, ref_res, dtype)
+            if _rounds_like_torch(dtype, device):  # one correctly rounded add: exact
+                assert torch.equal(new_res.cpu(), ref_res)
+                _same_rounding(out, ref_out)
+
+
+def check_qk_norm_strided_heads(device: torch.device) -> None:
+    """q/k norm over head_dim straight on [T, H, D] slices of a fused QKV output."""
+    from minisgl.kernels.norm import rms_norm
+
+    t, hq, hk, d = 7, 6, 2, 64
+    for dtype in (F32, BF16):
+        layer = _norm_layer(d, dtype, seed=3)
+        qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, device=device, seed=4)
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+        q, k = q.view(t, hq, d), k.view(t, hk, d)
+        for x in (q, k):
+            assert not x.is_contiguous()
+            _close(rms_norm(x, layer.weight.to(device), EPS), layer(x.cpu()), dtype)
+
+
+def check_rms_norm_weight_promotion(device: torch.device) -> None:
+    """A float32 weight on bf16 activations gives float32 out, as `weight * normed` does."""
+    from minisgl.kernels.norm import rms_norm
+
+    layer = _norm_layer(96, F32, seed=5)
+    x = _randn(4, 96, dtype=BF16, device=device, seed=6)
+    _close(rms_norm(x, layer.weight.to(device), EPS), layer(x.cpu()), BF16)
+
+
+def _rope_case(
+    device: torch.device, dtype: torch.dtype, t: int, hq: int, hk: int, d: int, rope: RopeConfig
+) -> tuple[RotaryEmbedding, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference module, shuffled positions (with repeats), strided q/k views, the qkv."""
+    emb = RotaryEmbedding(d, rope, 256)
+    g = torch.Generator().manual_seed(t * 31 + d)
+    positions = torch.randint(0, 256, (t,), generator=g).to(device)
+    qkv = _randn(t, (hq + 2 * hk) * d, dtype=dtype, device=device, seed=d + hq)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    return emb, positions, q.view(t, hq, d), k.view(t, hk, d), qkv
+
+
+ROPE_SCHEDULES = [
+    RopeConfig(),
+    RopeConfig(theta=500000.0, scaling_type="llama3", scaling=(("factor", 8.0),)),
+    RopeConfig(theta=1e6, scaling_type="yarn", scaling=(("factor", 4.0),), max_position=64),
+]
+
+
+def check_rope(device: torch.device) -> None:
+    from minisgl.kernels.rope import apply_rope
+
+    # (T, Hq, Hk, D): GQA, MQA, a non-power-of-two head_dim, more heads than one tile.
+    shapes = [(9, 6, 2, 64), (5, 4, 1, 80), (3, 40, 8, 128), (1, 2, 2, 32)]
+    for dtype in (F32, BF16, F16):
+        for (t, hq, hk, d), rope in zip(shapes, ROPE_SCHEDULES * 2, strict=False):
+            emb, pos, q, k, _ = _rope_case(device, dtype, t, hq, hk, d, rope)
+            q_out, k_out = apply_rope(pos, q, k, emb.cos.to(device), emb.sin.to(device))
+            q_ref, k_ref = emb(pos.cpu(), q.cpu(), k.cpu())
+            _close(q_out, q_ref, dtype)
+            _close(k_out, k_ref, dtype)
+            if _rounds_like_torch(dtype, device):  # same rounding points: bit-exact
+                assert torch.equal(q_out.cpu(), q_ref) and torch.equal(k_out.cpu(), k_ref)
+
+
+def check_rope_inplace(device: torch.device) -> None:
+    from minisgl.kernels.rope import apply_rope
+
+    emb, pos, q, k, qkv = _rope_case(device, F32, 6, 4, 2, 64, RopeConfig())
+    v_before = qkv[:, 6 * 64 :].clone()
+    q_ref, k_ref = emb(pos.cpu(), q.cpu(), k.cpu())
+    q_out, k_out = apply_rope(pos, q, k, emb.cos.to(device), emb.sin.to(device), inplace=True)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+    _close(q, q_ref, F32)
+    _close(k, k_ref, F32)
+    assert torch.equal(qkv[:, 6 * 64 :], v_before), "in-place RoPE touched v"
+
+
+def check_silu_and_mul(device: torch.device) -> None:
+    from minisgl.kernels.activation import silu_and_mul
+
+    for dtype in (F32, BF16, F16):
+        for shape in ((3, 2 * 96), (2, 2 * 576), (2, 2 * 1500), (2, 3, 2 * 64)):
+            x = 4 * _randn(*shape, dtype=dtype, device=device, seed=shape[-1])
+            out, ref = silu_and_mul(x), torch_act.silu_and_mul(x.cpu())
+            _close(out, ref, dtype)
+            if _rounds_like_torch(dtype, device):
+                _same_rounding(out, ref)
+    # Rows of a wider buffer: row stride != 2I.
+    wide = _randn(4, 300, dtype=F32, device=device, seed=7)
+    x = wide[:, : 2 * 100]
+    _close(silu_and_mul(x), torch_act.silu_and_mul(x.cpu()), F32)
+
+
+def check_empty_inputs(device: torch.device) -> None:
+    from minisgl.kernels.activation import silu_and_mul
+    from minisgl.kernels.norm import fused_add_rms_norm, rms_norm
+    from minisgl.kernels.rope import apply_rope
+
+    w = torch.ones(64, device=device)
+    x = torch.empty(0, 64, device=device)
+    assert rms_norm(x, w, EPS).shape == (0, 64)
+    assert fused_add_rms_norm(x, x, w, EPS)[1].shape == (0, 64)
+    assert silu_and_mul(torch.empty(0, 128, device=device)).shape == (0, 64)
+    cs = torch.ones(8, 64, device=device)
+    pos = torch.empty(0, dtype=torch.int64, device=device)
+    q, k = torch.empty(0, 4, 64, device=device), torch.empty(0, 2, 64, device=device)
+    assert [t.shape for t in apply_rope(pos, q, k, cs, cs)] == [q.shape, k.shape]
+
+
+def check_layers_dispatch(device: torch.device) -> None:
+    """On CUDA the torch layers route to the kernels and still match their CPU path."""
+    if device.type != "cuda":
+        raise Skip("layer dispatch to Triton happens only for CUDA tensors")
+    dtype = BF16
+    layer = _norm_layer(576, dtype, seed=8)
+    gpu_layer = _norm_layer(576, dtype, seed=8).to(device)
+    x = _randn(5, 576, dtype=dtype, device=device, seed=9)
+    res = _randn(5, 576, dtype=dtype, device=device, seed=10)
+    _close(gpu_layer(x), layer(x.cpu()), dtype)
+    for a, b in zip(
+        gpu_layer.forward_with_residual(x, res),
+        layer.forward_with_residual(x.cpu(), res.cpu()),
+        strict=True,
+    ):
+        _close(a, b, dtype)
+    emb, pos, q, k, _ = _rope_case(device, dtype, 5, 4, 2, 64, RopeConfig())
+    ref = emb(pos.cpu(), q.cpu(), k.cpu())
+    for a, b in zip(emb.to(device)(pos, q, k), ref, strict=True):
+        assert torch.equal(a.cpu(), b), "RoPE should be bit-exact on GPU"
+    gated = _randn(3, 2 * 576, dtype=dtype, device=device, seed=11)
+    _close(torch_act.silu_and_mul(gated), torch_act.silu_and_mul(gated.cpu()), dtype)
+
+
+CHECKS: dict[str, Callable[[torch.device], None]] = {
+    name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_")
+}
+
+
+def run_checks(device: torch.device) -> dict[str, str]:
+    """name -> "passed", "skipped: why" or "failed: traceback"."""
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn(device)
+            results[name] = "passed"
+        except Skip as e:
+            results[name] = f"skipped: {e}"
+        except Exception:
+            results[name] = "failed: " + traceback.format_exc()
+    return results
+
+
+@functools.cache
+def _interpreter_results() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        msg = f"child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return dict.fromkeys(CHECKS, "failed: " + msg)
+    return json.loads(lines[-1])
+
+
+def _report(outcome: str) -> None:
+    if outcome.startswith("skipped: "):
+        pytest.skip(outcome.removeprefix("skipped: "))
+    assert outcome == "passed", outcome
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_interpreted(name: str) -> None:
+    _report(_interpreter_results()[name])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_on_gpu(name: str) -> None:
+    try:
+        CHECKS[name](torch.device("cuda"))
+    except Skip as e:
+        pytest.skip(str(e))
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(run_checks(torch.device("cpu"))))

@@ -1,0 +1,296 @@
+"""TritonBackend against the TorchBackend reference on small paged batches.
+
+Without CUDA the kernels run in Triton's interpreter. Triton picks interpreter or compiler
+as each @triton.jit decorator runs, its own library functions included, so TRITON_INTERPRET
+must be set before triton is first imported. If another test module imported triton first,
+this process cannot interpret; each test then reports its result from one pytest
+subprocess that runs this file with the variable set.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+_ON_GPU = torch.cuda.is_available()
+_CHILD_FLAG = "MINISGL_TRITON_TEST_CHILD"
+if not _ON_GPU and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from minisgl.attention.base import BatchLayout  # noqa: E402
+from minisgl.attention.torch_backend import TorchBackend  # noqa: E402
+from minisgl.attention.triton_backend import TritonBackend, plan_decode_splits  # noqa: E402
+from minisgl.kernels import attention as attention_kernels  # noqa: E402
+from minisgl.kernels.store import store_kv  # noqa: E402
+from minisgl.kvcache.pool import KVPool  # noqa: E402
+
+_JIT = triton.runtime.jit.JITFunction
+# Compiled-mode jit functions (ours or triton.language's own) cannot run on a CPU.
+_IN_PROCESS = _ON_GPU or not any(
+    isinstance(f, _JIT) for f in (attention_kernels._extend_kernel, triton.language.zeros)
+)
+assert _IN_PROCESS or not os.environ.get(_CHILD_FLAG), "child could not enable the interpreter"
+
+
+@functools.cache
+def _child_results() -> dict[str, tuple[str, str]]:
+    """Run this file once under a fresh interpreter-mode pytest; test name -> outcome, text."""
+    with tempfile.TemporaryDirectory() as tmp:
+        xml_path = Path(tmp) / "report.xml"
+        env = {**os.environ, "TRITON_INTERPRET": "1", _CHILD_FLAG: "1"}
+        cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider",
+               "-o", "addopts=", f"--junitxml={xml_path}"]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if not xml_path.exists():
+            return {"": ("error", proc.stdout[-4000:] + proc.stderr[-4000:])}
+        results = {}
+        for case in ET.parse(xml_path).getroot().iter("testcase"):
+            outcome, text = "passed", ""
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    outcome, text = child.tag, child.get("message", "") + "\n" + (child.text or "")
+            results[case.get("name", "")] = (outcome, text)
+        return results
+
+
+def interpreted(test: Callable[..., None]) -> Callable[..., None]:
+    """Run the test here when this process can execute the kernels, else in the child."""
+    if _IN_PROCESS:
+        return test
+
+    @functools.wraps(test)
+    def from_child(*args: object, **kwargs: object) -> None:
+        name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]
+        results = _child_results()
+        outcome, text = results.get(name, results.get("", ("missing", f"{name} did not run")))
+        if outcome == "skipped":
+            pytest.skip(text)
+        assert outcome == "passed", f"{outcome} in the interpreter subprocess:\n{text}"
+
+    return from_child
+
+
+DEVICE = torch.device("cuda" if _ON_GPU else "cpu")
+LAYERS = 2
+
+
+@dataclass
+class World:
+    pool: KVPool
+    layout: BatchLayout
+    out_slots: torch.Tensor
+
+
+def make_world(
+    prefix: list[int],
+    ext: list[int],
+    hk: int,
+    d: int,
+    page_size: int,
+    dtype: torch.dtype,
+    seed: int,
+    pt_dtype: torch.dtype = torch.int64,
+) -> World:
+    """A pool full of random K/V, and a batch whose rows own shuffled, non-contiguous pages."""
+    g = torch.Generator().manual_seed(seed)
+    seq = [p + e for p, e in zip(prefix, ext, strict=True)]
+    pages_per_row = [triton.cdiv(s, page_size) for s in seq]
+    num_pages = sum(pages_per_row) + 3
+    pool = KVPool(LAYERS, num_pages, page_size, hk, d, dtype, DEVICE)
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(dtype))
+    width = max(seq) + 7
+    # Unused entries hold valid-but-wrong slots: reading them unmasked would corrupt results.
+    table = torch.randint(0, pool.num_slots, (len(seq) + 3, width), generator=g)
+    rows = torch.randperm(len(seq) + 3, generator=g)[: len(seq)].tolist()
+    perm = torch.randperm(num_pages, generator=g)
+    used = 0
+    for row, s, n in zip(rows, seq, pages_per_row, strict=True):
+        pages = perm[used : used + n]
+        used += n
+        table[row, :s] = (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:s]
+    out_slots = torch.cat([table[r, p : p + e] for r, p, e in zip(rows, prefix, ext, strict=True)])
+    table = table.to(pt_dtype).to(DEVICE)
+    layout = BatchLayout(rows, list(prefix), list(ext), table)
+    return World(pool, layout, out_slots.to(DEVICE))
+
+
+def run_case(
+    prefix: list[int],
+    ext: list[int],
+    hq: int,
+    hk: int,
+    d: int,
+    page_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    fused_qkv: bool = False,
+    pt_dtype: torch.dtype = torch.int64,
+    backend_kw: dict[str, int] | None = None,
+) -> TritonBackend:
+    world = make_world(prefix, ext, hk, d, page_size, dtype, seed, pt_dtype)
+    ref_pool = KVPool(LAYERS, world.pool.num_pages, page_size, hk, d, torch.float32, DEVICE)
+    ref_pool.buffer.copy_(world.pool.buffer.float())
+    g = torch.Generator().manual_seed(seed + 1)
+    t = sum(ext)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE)
+    if fused_qkv:  # strided views, as a fused projection hands them over
+        q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=1)
+        q, k, v = q.view(t, hq, d), k.view(t, hk, d), v.view(t, hk, d)
+    else:
+        q = qkv[:, : hq * d].reshape(t, hq, d).contiguous()
+        k = qkv[:, hq * d : (hq + hk) * d].reshape(t, hk, d).contiguous()
+        v = qkv[:, (hq + hk) * d :].reshape(t, hk, d).contiguous()
+    scale = d**-0.5
+    layer = LAYERS - 1  # a non-zero layer checks the per-layer base pointers
+    backend = TritonBackend(world.pool, **(backend_kw or {}))
+    md = backend.prepare(world.layout, DEVICE)
+    out = backend.forward(q, k, v, layer, world.out_slots, md, scale)
+    # Reference in fp32 on the same (already rounded) values isolates the kernel's error.
+    ref_backend = TorchBackend(ref_pool)
+    ref_md = ref_backend.prepare(world.layout, DEVICE)
+    ref = ref_backend.forward(
+        q.float(), k.float(), v.float(), layer, world.out_slots, ref_md, scale
+    )
+    assert out.shape == (t, hq * d) and out.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(world.pool.buffer.float(), ref_pool.buffer, atol=0, rtol=0)
+    return backend
+
+
+def splits_of(backend: TritonBackend, prefix: list[int], ext: list[int], hk: int) -> list[int]:
+    world = make_world(prefix, ext, hk, 32, 1, torch.float32, 0)
+    return backend.prepare(world.layout, DEVICE).num_splits.tolist()
+
+
+SMALL_TILES = {"extend_block_m": 16, "extend_block_n": 16}
+SMALL_SPLITS = {"min_split_tokens": 16, "decode_block_n": 16, "max_kv_splits": 4, "num_sms": 8}
+
+
+@pytest.mark.parametrize(
+    ("prefix", "ext", "hq", "hk", "d", "ps", "kw"),
+    [
+        ([0, 5, 20], [7, 1, 33], 4, 2, 64, 16, SMALL_TILES),  # mixed: one decode row
+        ([0, 0], [17, 3], 4, 4, 32, 1, SMALL_TILES),  # plain prefill, MHA
+        ([40], [24], 8, 1, 128, 1, SMALL_TILES),  # MQA, prefix not tile-aligned
+        ([3, 31, 50], [18, 1, 2], 6, 2, 80, 16, SMALL_TILES),  # group 3, head_dim 80
+        ([70, 0, 12], [9, 70, 1], 4, 2, 64, 16, {}),  # default 64-wide tiles
+    ],
+)
+@interpreted
+def test_extend_matches_reference(prefix, ext, hq, hk, d, ps, kw) -> None:
+    run_case(prefix, ext, hq, hk, d, ps, backend_kw=kw)
+
+
+@pytest.mark.parametrize(
+    ("prefix", "hq", "hk", "d", "ps"),
+    [
+        ([37, 100, 3, 64], 4, 2, 64, 16),
+        ([150, 20], 8, 1, 128, 1),
+        ([0, 9, 47], 4, 4, 32, 1),  # a row whose only key is the new token
+        ([33, 90], 6, 2, 80, 16),
+    ],
+)
+@interpreted
+def test_decode_matches_reference_with_splits(prefix, hq, hk, d, ps) -> None:
+    ext = [1] * len(prefix)
+    backend = run_case(prefix, ext, hq, hk, d, ps, backend_kw=SMALL_SPLITS)
+    splits = splits_of(backend, prefix, ext, hk)
+    assert max(splits) > 1, splits  # the split-KV path and its reduction really ran
+
+
+@interpreted
+def test_decode_default_plan() -> None:
+    backend = run_case([600, 5], [1, 1], 4, 2, 64, 16)
+    assert splits_of(backend, [600, 5], [1, 1], 2) == [3, 1]
+
+
+@interpreted
+def test_strided_qkv_and_int32_page_table() -> None:
+    run_case(
+        [9, 0], [5, 12], 4, 2, 64, 1, fused_qkv=True, pt_dtype=torch.int32, backend_kw=SMALL_TILES
+    )
+    run_case(
+        [30, 41], [1, 1], 4, 2, 64, 1, fused_qkv=True, pt_dtype=torch.int32, backend_kw=SMALL_SPLITS
+    )
+
+
+@pytest.mark.parametrize("kind", ["extend", "decode"])
+@interpreted
+def test_bf16(kind: str) -> None:
+    # In the interpreter, 16-bit tiles are upcast for tl.dot (see kernels/attention.py), so
+    # this covers bf16 loads, casts and stores; the bf16 tensor-core dots run only on a GPU.
+    if kind == "extend":
+        run_case(
+            [10, 0, 4], [30, 17, 1], 4, 2, 64, 16, dtype=torch.bfloat16, backend_kw=SMALL_TILES
+        )
+    else:
+        run_case(
+            [37, 100, 3], [1, 1, 1], 4, 2, 64, 16, dtype=torch.bfloat16, backend_kw=SMALL_SPLITS
+        )
+
+
+@interpreted
+def test_decode_replay_with_new_lengths() -> None:
+    """Graph-replay pattern: same batch size, new lengths written into the first batch's
+    device tensors; the launch (grid, constants) is unchanged and results follow the data."""
+    hq, hk, d, ps = 4, 2, 64, 16
+    first = make_world([20, 5], [1, 1], hk, d, ps, torch.float32, 3)
+    second = make_world([90, 40], [1, 1], hk, d, ps, torch.float32, 4)
+    backend = TritonBackend(second.pool, **SMALL_SPLITS)
+    md = backend.prepare(first.layout, DEVICE)
+    new = backend.prepare(second.layout, DEVICE)
+    assert md.num_splits.tolist() == [2, 1] and new.num_splits.tolist() == [3, 3]
+    md.page_table = second.layout.page_table  # an engine has one table for all batches
+    backend.copy_metadata(md, new)
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, h, d, generator=g).to(DEVICE) for h in (hq, hk, hk))
+    ref_pool = KVPool(LAYERS, second.pool.num_pages, ps, hk, d, torch.float32, DEVICE)
+    ref_pool.buffer.copy_(second.pool.buffer)
+    out = backend.forward(q, k, v, 0, second.out_slots, md, 0.125)
+    ref_backend = TorchBackend(ref_pool)
+    ref_md = ref_backend.prepare(second.layout, DEVICE)
+    ref = ref_backend.forward(q, k, v, 0, second.out_slots, ref_md, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@interpreted
+def test_store_kv_strided_wide_rows_and_cast() -> None:
+    # Hk * D = 1280 > one program's 1024-wide block; fp32 source into a bf16 pool.
+    t, hk, d = 5, 8, 160
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(t, 2 * hk * d, generator=g).to(DEVICE)
+    k, v = (x.view(t, hk, d) for x in kv.split([hk * d, hk * d], dim=1))
+    cache = torch.zeros(2, 11, hk, d, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.tensor([7, 0, 10, 3, 4], device=DEVICE)
+    store_kv(cache[0], cache[1], k, v, slots)
+    expect = torch.zeros_like(cache)
+    expect[0, slots] = k.to(torch.bfloat16)
+    expect[1, slots] = v.to(torch.bfloat16)
+    # The interpreter truncates fp32 -> bf16 where GPUs round to nearest: allow one ulp.
+    torch.testing.assert_close(cache, expect, atol=0, rtol=2**-7)
+
+
+def test_plan_decode_splits() -> None:
+    # Big batch: enough programs without splitting.
+    assert plan_decode_splits([5000] * 64, 8, 132, 16, 256, 64) == [1] * 64
+    # One long request: capped by max_splits; short ones by min_split_tokens.
+    assert plan_decode_splits([100_000, 300, 10], 8, 132, 16, 256, 64) == [11, 2, 1]
+    assert plan_decode_splits([100_000], 1, 132, 16, 256, 64) == [16]
+    assert plan_decode_splits([0], 1, 132, 16, 256, 64) == [1]
+    # The kernel's chunking (BLOCK_N-rounded) never leaves a planned chunk empty.
+    for length in range(1, 400, 7):
+        (n,) = plan_decode_splits([length], 1, 132, 16, 16, 64)
+        chunk = triton.cdiv(triton.cdiv(length, n), 64) * 64
+        assert (n - 1) * chunk < length <= n * chunk
