@@ -110,6 +110,9 @@ class LLM:
                         bar.update(1)
             if not self.scheduler.has_work and pending:
                 raise RuntimeError("scheduler went idle with unfinished requests")
+        # Under overlap scheduling one more batch may be in flight; land it so that the
+        # engine is idle (and its pages accounted for) when generate returns.
+        self.scheduler.drain()
         if bar is not None:
             bar.close()
 

@@ -1,1 +1,3 @@
+"""Inter-process messaging: message dataclasses (msgpack-encoded) over ZMQ PUSH/PULL sockets."""
+
 from __future__ import annotations

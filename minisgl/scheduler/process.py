@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from minisgl.config import EngineConfig
 from minisgl.ipc import sockets
-from minisgl.ipc.child import parent_alive, setup_child, startup_report
+from minisgl.ipc.child import parent_alive, run_child, setup_child, startup_report
 from minisgl.ipc.messages import (
     AbortRequests,
     AddRequests,
@@ -34,8 +34,12 @@ from minisgl.ipc.messages import (
     TopLogprob,
 )
 from minisgl.sampling_params import SamplingParams
-from minisgl.scheduler.request import Req
-from minisgl.scheduler.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.request import Req
+
+# torch and the engine are imported inside the child only: the server process imports this
+# module just to name run_scheduler as the spawn target, and should stay light.
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,10 @@ class SchedulerArgs:
 def run_scheduler(args: SchedulerArgs, report_queue: Any) -> None:
     """Entry point of the scheduler process (spawned)."""
     setup_child(args.log_level)
+    run_child(lambda: _serve(args, report_queue))
+
+
+def _serve(args: SchedulerArgs, report_queue: Any) -> None:
     with startup_report(f"scheduler-tp{args.tp_rank}", report_queue) as ready:
         from minisgl.engine.engine import Engine
 
@@ -99,6 +107,8 @@ class StopStringDecoder:
 
 class SchedulerLoop:
     def __init__(self, engine: Any, args: SchedulerArgs) -> None:
+        from minisgl.scheduler.scheduler import Scheduler
+
         self.engine = engine
         self.parent_pid = args.parent_pid
         self.tp_rank = args.tp_rank
@@ -114,6 +124,14 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # Close the sockets explicitly: a context with open sockets blocks interpreter
+            # exit, and SIGTERM must stop us promptly.
+            self.ctx.destroy(linger=sockets.LINGER_MS)
+
+    def _loop(self) -> None:
         while True:
             busy = self.scheduler.has_work
             msgs = sockets.recv_all(self.inbox, 0 if busy or self.wait_for_idle else IDLE_POLL_MS)
@@ -154,7 +172,9 @@ class SchedulerLoop:
             elif msg.kind in ("integrity", "flush_cache"):
                 self.wait_for_idle.append(msg)
             else:
-                sockets.send(self.outbox, ControlReply(msg.cid, False, {"error": f"unknown {msg.kind!r}"}))
+                sockets.send(
+                    self.outbox, ControlReply(msg.cid, False, {"error": f"unknown {msg.kind!r}"})
+                )
         else:
             logger.error("unexpected message %r", type(msg).__name__)
 
@@ -170,7 +190,7 @@ class SchedulerLoop:
         except (ValueError, TypeError) as exc:
             outputs += [_error(r.rid, str(exc), 400) for r in msg.reqs]
             return
-        for r, p in zip(msg.reqs, params):
+        for r, p in zip(msg.reqs, params, strict=True):
             self.live[r.rid] = self.scheduler.add_request(r.input_ids, p, uid=r.rid)
             self.reported[r.rid] = 0
 
@@ -230,7 +250,9 @@ class SchedulerLoop:
                 TokenLogprob(
                     token_id=tok,
                     logprob=lps[i] if i < len(lps) else 0.0,
-                    top=[TopLogprob(int(t), float(lp)) for t, lp in tops[i]] if i < len(tops) else [],
+                    top=[TopLogprob(int(t), float(lp)) for t, lp in tops[i]]
+                    if i < len(tops)
+                    else [],
                 )
                 for i, tok in enumerate(out.new_ids)
             ]
@@ -279,4 +301,6 @@ class SchedulerLoop:
 
 
 def _error(rid: int, message: str, status: int) -> TokenOutput:
-    return TokenOutput(rid=rid, new_ids=[], finish_reason="abort", error=message, error_status=status)
+    return TokenOutput(
+        rid=rid, new_ids=[], finish_reason="abort", error=message, error_status=status
+    )

@@ -111,6 +111,11 @@ class Scheduler:
                 return req
         return None
 
+    def drain(self) -> list[Req]:
+        """Read back the batch still in flight (overlap mode), e.g. before going idle."""
+        batch, self.inflight = self.inflight, None
+        return self._process(batch) if batch is not None else []
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.inflight)
