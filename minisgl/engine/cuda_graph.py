@@ -91,7 +91,11 @@ class CudaGraphRunner:
         return layout.is_decode and len(layout.req_rows) <= self.max_bs
 
     def run(
-        self, layout: BatchLayout, input_ids: torch.Tensor, positions: torch.Tensor, out_slots: torch.Tensor
+        self,
+        layout: BatchLayout,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
     ) -> torch.Tensor:
         n = len(layout.req_rows)
         bs = next(s for s in self.sizes if s >= n)

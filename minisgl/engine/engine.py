@@ -115,7 +115,9 @@ class Engine:
     def _make_pool(self) -> KVPool:
         cfg, c = self.model_config, self.config
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # type: ignore[index]
-        per_page = KVPool.bytes_per_page(cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.dtype)
+        per_page = KVPool.bytes_per_page(
+            cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.dtype
+        )
         if c.num_pages is not None:
             num_pages = c.num_pages
         else:
@@ -129,11 +131,26 @@ class Engine:
             want = c.max_running_requests * self.context_length // c.page_size + 1
             num_pages = max(2, min(budget // per_page, want))
         if self.tp.size > 1:
-            t = torch.tensor([num_pages], device=self.device if self.device.type == "cuda" else "cpu")
+            t = torch.tensor(
+                [num_pages], device=self.device if self.device.type == "cuda" else "cpu"
+            )
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
             num_pages = int(t.item())
-        logger.info("KV pool: %d pages of %d tokens (%.2f GiB)", num_pages, c.page_size, num_pages * per_page / 2**30)
-        pool = KVPool(cfg.num_layers, num_pages + 1, c.page_size, kv_heads, cfg.head_dim, self.dtype, self.device)
+        logger.info(
+            "KV pool: %d pages of %d tokens (%.2f GiB)",
+            num_pages,
+            c.page_size,
+            num_pages * per_page / 2**30,
+        )
+        pool = KVPool(
+            cfg.num_layers,
+            num_pages + 1,
+            c.page_size,
+            kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
         pool.num_pages = num_pages  # usable pages; the extra one is the scratch page
         return pool
 
@@ -165,7 +182,9 @@ class Engine:
         return CudaGraphRunner(self, min(max_bs, c.max_running_requests))
 
     # ---------------------------------------------------------------- step
-    def to_device(self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def to_device(
+        self, values: list[int] | torch.Tensor, dtype: torch.dtype = torch.long
+    ) -> torch.Tensor:
         t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             # Pinned staging keeps the copy asynchronous, so the host never waits here.
@@ -177,6 +196,7 @@ class Engine:
         self,
         layout: BatchLayout,
         input_ids: list[int],
+        positions: torch.Tensor,
         out_slots: torch.Tensor,
         sample_rows: list[int],
         sampling: SamplingBatch | None,
@@ -190,11 +210,10 @@ class Engine:
         the previous batch sampled for that row: it is read from ``last_tokens`` on the
         device, so a batch can be launched before the previous one's samples reach the host.
         """
-        positions = torch.cat(
-            [torch.arange(p, p + e) for p, e in zip(layout.prefix_lens, layout.extend_lens)]
-        )
         ends = torch.tensor(layout.extend_lens).cumsum(0) - 1
-        logits_index = ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
+        logits_index = (
+            ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
+        )
         ids = self.to_device(input_ids)
         if from_device:
             pos, rows = zip(*from_device)

@@ -29,13 +29,20 @@ class KVManager:
         self.page_size = page_size
         self.device_table = page_table
         # The host mirror is what the scheduler reads; on CPU it is the same tensor.
-        self.host_table = page_table if page_table.device.type == "cpu" else torch.zeros_like(page_table, device="cpu")
+        self.host_table = (
+            page_table
+            if page_table.device.type == "cpu"
+            else torch.zeros_like(page_table, device="cpu")
+        )
         self.allocator = PageAllocator(num_pages, page_size)
-        self.cache: PrefixCache = RadixCache(self.allocator) if cache_kind == "radix" else NaiveCache(self.allocator)
+        self.cache: PrefixCache = (
+            RadixCache(self.allocator) if cache_kind == "radix" else NaiveCache(self.allocator)
+        )
         self.reuse = cache_kind == "radix"
         self.free_rows = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
-        self._dirty: list[tuple[int, int, int]] = []  # host rows to mirror to the device
+        # (row index, column index) tensors of host entries to mirror to the device
+        self._dirty: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # ------------------------------------------------------------ capacity
     @property
@@ -64,22 +71,37 @@ class KVManager:
         req.kv_len = req.alloc_len = match.length
         if match.length:
             self.host_table[req.row, : match.length] = match.slots
-            self._dirty.append((req.row, 0, match.length))
+            self._dirty.append(ranges([req.row], [0], [match.length]))
         return True
 
     def allocate(self, req: Req, new_tokens: int) -> bool:
         """Make room in the row for ``new_tokens`` more tokens after kv_len."""
-        n = self.pages_for(req, new_tokens)
-        if n == 0:
+        return self.allocate_batch([req], [new_tokens])
+
+    def allocate_batch(self, reqs: list[Req], new_tokens: list[int]) -> bool:
+        """Allocate for many requests with one allocator call and one table write.
+
+        All or nothing: returns False (allocating nothing) if the pages are not there.
+        """
+        needs = [self.pages_for(r, n) for r, n in zip(reqs, new_tokens)]
+        total = sum(needs)
+        if total == 0:
             return True
-        pages = self._alloc(n)
+        pages = self._alloc(total)
         if pages is None:
             return False
-        slots = PageAllocator.pages_to_slots(pages, self.page_size)
-        end = req.alloc_len + len(slots)
-        self.host_table[req.row, req.alloc_len : end] = slots
-        self._dirty.append((req.row, req.alloc_len, end))
-        req.alloc_len = end
+        ps = self.page_size
+        slots = PageAllocator.pages_to_slots(pages, ps)
+        rows, starts, lens = [], [], []
+        for r, k in zip(reqs, needs):
+            if k:
+                rows.append(r.row)
+                starts.append(r.alloc_len)
+                lens.append(k * ps)
+                r.alloc_len += k * ps
+        row_idx, col_idx = ranges(rows, starts, lens)
+        self.host_table[row_idx, col_idx] = slots
+        self._dirty.append((row_idx, col_idx))
         return True
 
     def cache_prefix(self, req: Req) -> None:
@@ -100,7 +122,7 @@ class KVManager:
         assert match.length == n, (match.length, n)
         if present > req.tree_len:
             row[req.tree_len : present] = match.slots[req.tree_len : present]
-            self._dirty.append((req.row, req.tree_len, present))
+            self._dirty.append(ranges([req.row], [req.tree_len], [present - req.tree_len]))
         self.cache.lock(match.node)
         self.cache.unlock(req.tree_node)
         req.tree_node, req.tree_len = match.node, n
@@ -123,13 +145,12 @@ class KVManager:
         if not self._dirty:
             return
         if self.device_table is not self.host_table:
-            rows = torch.cat([torch.full((e - s,), r, dtype=torch.long) for r, s, e in self._dirty])
-            cols = torch.cat([torch.arange(s, e) for _, s, e in self._dirty])
-            vals = self.host_table[rows, cols]
-            dev = self.device_table.device
-            self.device_table[rows.to(dev, non_blocking=True), cols.to(dev, non_blocking=True)] = vals.to(
-                dev, non_blocking=True
-            )
+            rows = torch.cat([r for r, _ in self._dirty])
+            cols = torch.cat([c for _, c in self._dirty])
+            # One pinned buffer, one copy: (rows, cols, values) stacked.
+            packed = torch.stack([rows, cols, self.host_table[rows, cols]]).pin_memory()
+            dev = packed.to(self.device_table.device, non_blocking=True)
+            self.device_table[dev[0], dev[1]] = dev[2]
         self._dirty.clear()
 
     def slots(self, req: Req, start: int, end: int) -> torch.Tensor:
@@ -140,7 +161,10 @@ class KVManager:
         pages: list[int] = []
         for r in reqs:
             if r.row >= 0:
-                pages += (self.host_table[r.row, r.tree_len : r.alloc_len : self.page_size] // self.page_size).tolist()
+                pages += (
+                    self.host_table[r.row, r.tree_len : r.alloc_len : self.page_size]
+                    // self.page_size
+                ).tolist()
         return pages
 
     def check_integrity(self, live: Iterable[Req]) -> None:
@@ -151,3 +175,16 @@ class KVManager:
         assert len(rows) + len(self.free_rows) == self.max_requests, (
             f"row leak: {len(rows)} live + {len(self.free_rows)} free != {self.max_requests}"
         )
+
+
+def ranges(
+    rows: list[int], starts: list[int], lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column indices of the table entries rows[i], starts[i] : starts[i] + lens[i]."""
+    n = torch.tensor(lens, dtype=torch.long)
+    row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), n)
+    offsets = torch.repeat_interleave(
+        torch.tensor(starts, dtype=torch.long) - (torch.cumsum(n, 0) - n), n
+    )
+    col_idx = torch.arange(int(n.sum())) + offsets
+    return row_idx, col_idx

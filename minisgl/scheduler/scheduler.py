@@ -20,7 +20,7 @@ from minisgl.engine.engine import Engine
 from minisgl.engine.engine import SampleResult
 from minisgl.engine.sampler import SamplingBatch
 from minisgl.sampling_params import SamplingParams
-from minisgl.scheduler.kv_manager import KVManager
+from minisgl.scheduler.kv_manager import KVManager, ranges
 from minisgl.scheduler.request import Req, ReqState
 from minisgl.scheduler.stop import StopChecker
 
@@ -61,7 +61,11 @@ class Scheduler:
         self.config = cfg
         self.page_size = cfg.page_size
         self.kv = KVManager(
-            engine.page_table, engine.pool.num_pages, cfg.page_size, cfg.max_running_requests, cfg.cache
+            engine.page_table,
+            engine.pool.num_pages,
+            cfg.page_size,
+            cfg.max_running_requests,
+            cfg.cache,
         )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -89,11 +93,18 @@ class Scheduler:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams, uid: int | None = None) -> Req:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, uid: int | None = None
+    ) -> Req:
         params.validate()
         self.check_prompt(prompt_ids)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
-        req = Req(uid=next(self.uids) if uid is None else uid, prompt_ids=list(prompt_ids), params=params, seed=seed)
+        req = Req(
+            uid=next(self.uids) if uid is None else uid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            seed=seed,
+        )
         self.waiting.append(req)
         return req
 
@@ -176,12 +187,9 @@ class Scheduler:
             decodes.remove(victim)
             need -= self.kv.pages_for(victim, 1)
             self._retract(victim)
-        rows = []
-        for r in decodes:
-            ok = self.kv.allocate(r, 1)
-            assert ok, "decode allocation failed after the capacity check"
-            rows.append(_Row(r, 1, True))
-        return rows
+        ok = self.kv.allocate_batch(decodes, [1] * len(decodes))
+        assert ok, "decode allocation failed after the capacity check"
+        return [_Row(r, 1, True) for r in decodes]
 
     def _reserve_pages(self) -> int:
         """Pages kept back for the growth of running requests (not reserved in full)."""
@@ -197,11 +205,13 @@ class Scheduler:
             if budget <= 0:
                 return rows
             n = min(r.pending, budget)
-            if self.kv.pages_for(r, n) > self.kv.available_pages - reserve or not self.kv.allocate(r, n):
+            if self.kv.pages_for(r, n) > self.kv.available_pages - reserve or not self.kv.allocate(
+                r, n
+            ):
                 continue
             rows.append(_Row(r, n, n == r.pending))
             budget -= n
-        admitted: list[Req] = []
+        admitted: dict[tuple[int, ...], list[Req]] = {}
         for req in self._waiting_in_policy_order():
             if budget <= 0 or not self.kv.free_rows:
                 break
@@ -226,7 +236,7 @@ class Scheduler:
             if _uses_penalties(req):
                 self._restore_penalties(req)
             self.running.append(req)
-            admitted.append(req)
+            admitted.setdefault(_lead(req), []).append(req)
             rows.append(_Row(req, n, n == req.pending))
             budget -= n
             reserve += int(own) // self.page_size
@@ -235,14 +245,20 @@ class Scheduler:
     def _waiting_in_policy_order(self) -> list[Req]:
         reqs = list(self.waiting)
         if self.config.schedule_policy == "lpm" and self.kv.reuse and len(reqs) <= LPM_MAX_QUEUE:
-            hits = {id(r): self.kv.cache.match_prefix(r.token_slice(0, r.num_tokens - 1), count=False).length for r in reqs}
+            hits = {
+                id(r): self.kv.cache.match_prefix(
+                    r.token_slice(0, r.num_tokens - 1), count=False
+                ).length
+                for r in reqs
+            }
             reqs.sort(key=lambda r: -hits[id(r)])  # stable: ties stay first-come first-served
         return reqs
 
-    def _shares_uncached_prefix(self, req: Req, admitted: list[Req]) -> bool:
+    def _shares_uncached_prefix(self, req: Req, admitted: dict[tuple[int, ...], list[Req]]) -> bool:
         """True if an already-admitted request of this step computes the same prefix: wait for
-        it to land in the cache instead of computing it twice."""
-        for other in admitted:
+        it to land in the cache instead of computing it twice. ``admitted`` buckets this
+        step's requests by their leading tokens, so the check is cheap for unrelated prompts."""
+        for other in admitted.get(_lead(req), ()):
             n = _common_prefix(req.prompt_ids, other.prompt_ids)
             if n - req.kv_len >= IN_BATCH_PREFIX_MIN:
                 return True
@@ -278,18 +294,18 @@ class Scheduler:
         )
         input_ids: list[int] = []
         from_device: list[tuple[int, int]] = []  # (flat position, page-table row)
-        slots = []
         for r in rows:
             req, start, end = r.req, r.req.kv_len, r.req.kv_len + r.extend
             known_end = min(end, req.num_known)
             input_ids += req.token_slice(start, known_end)
             if end > known_end:  # the last token was sampled by the batch still in flight
-                assert end - known_end == 1
                 from_device.append((len(input_ids), req.row))
                 input_ids.append(0)
-            slots.append(self.kv.slots(req, start, end))
             if r.extend > 1 or req.num_generated == 0:
                 self.prefill_tokens += r.extend
+        # Positions and KV slots of every new token, gathered without a per-token loop.
+        row_idx, positions = ranges(layout.req_rows, layout.prefix_lens, layout.extend_lens)
+        out_slots = self.kv.host_table[row_idx, positions]
         sample_idx = [i for i, r in enumerate(rows) if r.samples]
         sampled = [rows[i].req for i in sample_idx]
         sampling = None
@@ -304,7 +320,14 @@ class Scheduler:
             if any(_uses_penalties(q) for q in sampled):
                 penalty_slots = torch.tensor([q.row for q in sampled], device=self.engine.device)
         out = self.engine.forward(
-            layout, input_ids, torch.cat(slots), sample_idx, sampling, penalty_slots, from_device,
+            layout,
+            input_ids,
+            positions,
+            out_slots,
+            sample_idx,
+            sampling,
+            penalty_slots,
+            from_device,
             [q.row for q in sampled],
         )
         for r in rows:
@@ -335,7 +358,9 @@ class Scheduler:
                 req.output_logprobs.append(out.chosen_logprobs[i])
             if p.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:
                 k = p.top_logprobs
-                req.output_top_logprobs.append(list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k])))
+                req.output_top_logprobs.append(
+                    list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]))
+                )
             reason = self.stop_checker.check(req, self.context_length)
             if reason is not None:
                 self._finish(req, reason)
@@ -365,6 +390,10 @@ class Scheduler:
 def _uses_penalties(req: Req) -> bool:
     p = req.params
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _lead(req: Req) -> tuple[int, ...]:
+    return tuple(req.prompt_ids[:IN_BATCH_PREFIX_MIN])
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
