@@ -104,7 +104,7 @@ def _launch(
     # Depends on the row width only, so one compiled variant serves every batch size.
     block_m = max(1, _TILE // block_n)
     num_warps = min(16, max(4, block_m * block_n // 1024))
-    grid = (triton.cdiv(n_rows, block_m),)
+    grid = (_cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
         xk, rk, weight, out, res_out if res_out is not None else out,
         n_rows, d, heads, sxt, sxh, srt, srh, eps,
@@ -127,3 +127,7 @@ def fused_add_rms_norm(
     out, res_out = _launch(x, residual, weight, eps)
     assert res_out is not None
     return out, res_out
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a JIT function: slow to call from Python

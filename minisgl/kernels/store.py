@@ -62,7 +62,7 @@ def store_kv(
     k, v = _flat_rows(k), _flat_rows(v)
     row = hk * d
     block = min(triton.next_power_of_2(row), _MAX_BLOCK)
-    grid = (num_tokens, triton.cdiv(row, block))
+    grid = (num_tokens, _cdiv(row, block))
     _store_kv_kernel[grid](
         k,
         v,
@@ -76,3 +76,7 @@ def store_kv(
         BLOCK=block,
         num_warps=4,
     )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a JIT function: slow to call from Python

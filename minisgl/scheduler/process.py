@@ -121,18 +121,21 @@ class SchedulerLoop:
         self.live: dict[int, Req] = {}
         self.reported: dict[int, int] = {}  # output tokens already sent, per request
         self.wait_for_idle: list[ControlRequest] = []
+        self.keep_running = True  # cleared by stop() (in-process use, e.g. tests)
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
         try:
             self._loop()
         finally:
-            # Close the sockets explicitly: a context with open sockets blocks interpreter
-            # exit, and SIGTERM must stop us promptly.
+            # Close the sockets explicitly: a context with open sockets would block exit.
             self.ctx.destroy(linger=sockets.LINGER_MS)
 
+    def stop(self) -> None:
+        self.keep_running = False
+
     def _loop(self) -> None:
-        while True:
+        while self.keep_running:
             busy = self.scheduler.has_work
             msgs = sockets.recv_all(self.inbox, 0 if busy or self.wait_for_idle else IDLE_POLL_MS)
             msgs = self._sync_across_ranks(msgs)
@@ -229,7 +232,9 @@ class SchedulerLoop:
                 outputs.append(_error(req.uid, message, 500))
         # If the failure left KV bookkeeping inconsistent, serving on would corrupt outputs:
         # let the process die (the server notices and exits) rather than answer wrongly.
-        self.scheduler.check_integrity()
+        # (The check is only defined between batches, i.e. with no batch in flight.)
+        if self.scheduler.inflight is None:
+            self.scheduler.check_integrity()
         return outputs
 
     def _progress(self, req: Req) -> TokenOutput:
