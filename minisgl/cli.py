@@ -1,0 +1,127 @@
+"""The command line: one parser whose engine flags are generated from `EngineConfig`'s fields
+(so a new config field is a new flag, with the same name everywhere), plus server flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from minisgl.config import EngineConfig
+
+# Extra spellings users know from SGLang / mini-sglang / vLLM.
+FLAG_ALIASES: dict[str, list[str]] = {
+    "model": ["--model-path"],
+    "tp_size": ["--tp", "--tensor-parallel-size"],
+    "attention_backend": ["--attn"],
+    "cache": ["--cache-type"],
+    "context_length": ["--max-model-len"],
+}
+
+FLAG_HELP: dict[str, str] = {
+    "model": "local directory, .gguf file, or Hugging Face id (default: bundled SmolLM2-135M)",
+    "tokenizer": "tokenizer to use instead of the model's",
+    "load_format": "auto | safetensors | gguf | dummy (random weights)",
+    "dtype": "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16",
+    "device": "auto | cpu | cuda | cuda:N",
+    "context_length": "cap on prompt + output tokens per request",
+    "page_size": "tokens per KV page",
+    "num_pages": "KV pool size in pages (default: from the memory budget)",
+    "mem_fraction_static": "GPU: share of device memory for weights + KV cache",
+    "cpu_kv_cache_gb": "CPU: KV pool budget in GiB",
+    "chunked_prefill_size": "token budget per scheduler step",
+    "disable_mixed_batch": "never mix prefill chunks with decodes in one batch",
+    "cache": "prefix cache: radix | naive",
+    "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    "attention_backend": "auto | torch | triton | flashinfer",
+    "cuda_graph_max_bs": "largest CUDA-graph batch size (0 disables CUDA graphs)",
+    "tp_size": "tensor-parallel degree",
+    "max_running_requests": "most requests decoded at once",
+    "seed": "engine seed (requests without a seed draw theirs from it)",
+    "disable_overlap_scheduling": "run CPU scheduling and device compute one after the other",
+    "init_new_token_ratio": "admission: expected share of max_tokens still to come, at first",
+    "min_new_token_ratio": "admission: the floor that share decays to",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(annotation: Any) -> type:
+    """int for `int | None`, etc."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return args[0]  # type: ignore[no-any-return]
+    return annotation  # type: ignore[no-any-return]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine (EngineConfig)")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        kind = _base_type(hints[f.name])
+        names = [_flag(f.name), *FLAG_ALIASES.get(f.name, [])]
+        help_text = FLAG_HELP.get(f.name, "")
+        if kind is bool:
+            # A False default is a plain switch; a True default also gets --no-<flag>.
+            action: Any = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument(
+                *names, dest=f.name, action=action, default=f.default, help=help_text or None
+            )
+        else:
+            if "default" not in help_text:
+                help_text = f"{help_text} (default: {f.default})".strip()
+            group.add_argument(
+                *names, dest=f.name, type=kind, default=f.default, metavar=kind.__name__.upper(),
+                help=help_text,
+            )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minisgl",
+        description="minisgl: serve an LLM over an OpenAI-compatible API, or chat in a shell.",
+        allow_abbrev=False,  # a prefix of one flag must not silently become another flag
+    )
+    add_engine_flags(parser)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=1919, help="port to listen on")
+    server.add_argument("--served-model-name", default=None, help="model name in API responses")
+    server.add_argument("--shell", action="store_true", help="interactive chat shell, no server")
+    server.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="logging verbosity",
+    )  # fmt: skip
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.shell:
+        from minisgl.shell import run_shell
+
+        return run_shell(config)
+    from minisgl.server.launch import ServerArgs, serve
+
+    return serve(
+        config,
+        ServerArgs(
+            host=args.host, port=args.port,
+            served_model_name=args.served_model_name, log_level=args.log_level,
+        ),
+    )  # fmt: skip

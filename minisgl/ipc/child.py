@@ -1,0 +1,92 @@
+"""What every child process of the server does: signal set-up, parent-death safety, and the
+startup handshake (report "ready" with some facts, or the startup error, exactly once)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class ChildReport:
+    """Sent once through the startup queue: ready (with facts for the server) or failed."""
+
+    name: str
+    ok: bool
+    info: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+
+def setup_child(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format=LOG_FORMAT, force=True)
+    # Ctrl-C reaches the whole foreground process group; the parent owns shutdown and stops
+    # children itself, so a child must not die half-way (or print a traceback) on SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (what the parent sends to stop us) ends the process at once, even in the middle
+    # of a long C call such as loading weights; the parent cleans up the sockets' directory.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # If the parent is killed outright (SIGKILL), take the children down with it.
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def run_child(body: Callable[[], None]) -> None:
+    """Run a child's body, then leave at once: interpreter teardown with torch loaded takes
+    seconds, and the parent is waiting for us. An uncaught error is logged, exit code 1."""
+    code = 0
+    try:
+        body()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:
+        logging.getLogger(__name__).exception("child process failed")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def parent_alive(parent_pid: int) -> bool:
+    # Once the parent is gone we are re-parented, so getppid() changes.
+    return os.getppid() == parent_pid
+
+
+@contextlib.contextmanager
+def startup_report(name: str, queue: Any) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """Wrap a child's start-up: ``ready(info)`` reports success; an exception escaping the
+    block is reported as the startup error (then re-raised so the child exits non-zero)."""
+    reported = False
+
+    def send(report: ChildReport) -> None:
+        nonlocal reported
+        queue.put(report)
+        # Queue.put hands the item to a feeder thread; wait until it is written, since a
+        # child may leave through os._exit right after reporting.
+        queue.close()
+        queue.join_thread()
+        reported = True
+
+    try:
+        yield lambda info: send(ChildReport(name, True, info))
+    except BaseException as exc:
+        if not reported:
+            send(ChildReport(name, False, error=_describe(exc)))
+        raise
+
+
+def _describe(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()

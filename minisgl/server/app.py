@@ -1,0 +1,100 @@
+"""The FastAPI application: routes, error handling, and the IPC frontend's lifetime."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from minisgl.server import native_api, openai_api
+from minisgl.server.errors import APIError, error_response, install_error_handlers
+from minisgl.server.frontend import ServiceUnavailable
+from minisgl.server.state import ServerState, server_state
+
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 5.0
+
+
+class JSONBodyByDefault:
+    """Read POST bodies as JSON when the client did not say what they are: ``curl -d`` sends
+    form encoding, and failing such requests as "not an object" only confuses people."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            ctype = dict(scope["headers"]).get(b"content-type", b"")
+            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
+                scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
+def create_app(state: ServerState, on_started: Callable[[], None] | None = None) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.frontend.start()
+        if on_started is not None:
+            on_started()
+        try:
+            yield
+        finally:
+            await state.frontend.stop()
+
+    app = FastAPI(title="minisgl", lifespan=lifespan)
+    app.add_middleware(JSONBodyByDefault)
+    app.state.minisgl = state
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/v1/models", list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+async def health(request: Request) -> Response:
+    frontend = server_state(request).frontend
+    if frontend.dead_reason is not None:
+        return error_response(503, f"unhealthy: {frontend.dead_reason}")
+    return JSONResponse({"status": "ok"})
+
+
+def _model_card(state: ServerState) -> dict[str, object]:
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "minisgl",
+        "root": state.info.model_path,
+        "max_model_len": state.info.context_length,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+
+
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    state = server_state(request)
+    if model_id != state.served_model_name:
+        raise APIError(404, f"the model {model_id!r} does not exist", "model")
+    return JSONResponse(_model_card(state))
+
+
+async def metrics(request: Request) -> Response:
+    state = server_state(request)
+    try:
+        reply = await state.frontend.control("stats", STATS_TIMEOUT_S)
+        state.metrics.refresh(reply.data)
+    except (asyncio.TimeoutError, ServiceUnavailable):
+        logger.warning("scheduler stats unavailable; serving the last values")
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,256 @@
+"""Start the server: child processes, startup handshake, uvicorn, watchdog, shutdown.
+
+Processes (all children use the ``spawn`` start method):
+
+    main:      API server (FastAPI + uvicorn) + watchdog thread
+    tokenizer: tokenizes requests, detokenizes outputs (minisgl/tokenizer/worker.py)
+    scheduler: Engine + Scheduler loop, one per TP rank (minisgl/scheduler/process.py)
+
+The listening socket is bound first (a busy port fails in milliseconds, not after the model
+loads) but not listened on, so connections are refused until every child has reported ready.
+Whenever a child dies the server fails pending requests, stops, and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_sentinels
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from minisgl.config import EngineConfig
+from minisgl.ipc.child import LOG_FORMAT, ChildReport
+from minisgl.ipc.sockets import IpcAddresses
+
+if TYPE_CHECKING:
+    from minisgl.server.state import ServerState
+
+logger = logging.getLogger("minisgl.server")
+
+STARTUP_TIMEOUT_S = 1800.0  # first run may download a model
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 1919
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class Runtime:
+    """The child processes of one server run, and the directory holding their sockets."""
+
+    run_dir: Path
+    addresses: IpcAddresses
+    procs: dict[str, Any] = field(default_factory=dict)
+    infos: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failure: str | None = None
+    stopping: bool = False
+
+    @classmethod
+    def start(cls, config: EngineConfig, log_level: str) -> Runtime:
+        from minisgl.scheduler.process import SchedulerArgs, run_scheduler
+        from minisgl.tokenizer.worker import WorkerArgs, run_worker
+
+        if config.tp_size > 1:
+            # Hook for TP: spawn one run_scheduler per rank (tp_rank=i); rank 0 owns the inbox.
+            raise StartupError("the server does not support --tp-size > 1 yet")
+        run_dir = Path(tempfile.mkdtemp(prefix="minisgl-"))
+        logger.info("run directory (sockets, tokenizer copy): %s", run_dir)
+        rt = cls(run_dir, IpcAddresses.in_dir(run_dir))
+        ctx = mp.get_context("spawn")
+        reports = ctx.Queue()
+        copy_dir = str(run_dir / "tokenizer")
+        pid = os.getpid()
+        try:
+            targets: dict[str, tuple[Callable[..., None], Any]] = {
+                "scheduler-tp0": (
+                    run_scheduler,
+                    SchedulerArgs(config, rt.addresses, copy_dir, pid, 0, log_level),
+                ),
+                "tokenizer": (
+                    run_worker,
+                    WorkerArgs(
+                        config.model, config.tokenizer, rt.addresses, copy_dir, pid, log_level
+                    ),
+                ),
+            }
+            for name, (target, args) in targets.items():
+                proc = ctx.Process(
+                    target=target, args=(args, reports), name=f"minisgl-{name}", daemon=True
+                )
+                proc.start()
+                rt.procs[name] = proc
+            rt._wait_ready(reports)
+        except BaseException:
+            rt.shutdown()
+            raise
+        return rt
+
+    def _wait_ready(self, reports: Any) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(self.infos) < len(self.procs):
+            report = self._next_report(reports, deadline)
+            if not report.ok:
+                raise StartupError(f"{report.name} failed to start:\n{report.error}")
+            logger.info("%s ready (pid %d)", report.name, self.procs[report.name].pid)
+            self.infos[report.name] = report.info
+
+    def _next_report(self, reports: Any, deadline: float) -> ChildReport:
+        while True:
+            try:
+                return reports.get(timeout=0.5)  # type: ignore[no-any-return]
+            except queue.Empty:
+                pass
+            dead = [n for n, p in self.procs.items() if n not in self.infos and not p.is_alive()]
+            if dead:
+                try:  # a child that fails reports why before it exits: prefer its own words
+                    return reports.get(timeout=1.0)  # type: ignore[no-any-return]
+                except queue.Empty:
+                    code = self.procs[dead[0]].exitcode
+                    msg = f"{dead[0]} exited with code {code} during startup"
+                    raise StartupError(msg) from None
+            if time.monotonic() > deadline:
+                raise StartupError(f"children not ready after {STARTUP_TIMEOUT_S:.0f}s")
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(reason)`` (from a thread) when any child exits unexpectedly."""
+
+        def run() -> None:
+            sentinels = {proc.sentinel: name for name, proc in self.procs.items()}
+            ready = wait_sentinels(list(sentinels))
+            if self.stopping:
+                return
+            name = sentinels[ready[0]]  # type: ignore[index]
+            code = self.procs[name].exitcode
+            self.failure = f"the {name} process died (exit code {code})"
+            logger.error("%s; shutting down", self.failure)
+            on_death(self.failure)
+
+        threading.Thread(target=run, name="minisgl-watchdog", daemon=True).start()
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for name, proc in self.procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                logger.warning("%s did not stop within %.0fs; killing it", name, STOP_GRACE_S)
+                proc.kill()
+                proc.join(1.0)
+            logger.debug("%s exited with code %s", name, proc.exitcode)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def default_served_name(config: EngineConfig) -> str:
+    if config.model is None:
+        from minisgl.models.default_model import DEFAULT_GGUF_NAME
+
+        return DEFAULT_GGUF_NAME.split(".")[0]
+    return config.model
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Stop(Exception):
+    """Raised by our SIGTERM handler so that cleanup runs."""
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop()
+
+
+def serve(config: EngineConfig, args: ServerArgs) -> int:
+    """Run the server until Ctrl-C/SIGTERM (exit code 0) or a child dies (exit code 1)."""
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    started = time.perf_counter()
+    runtime: Runtime | None = None
+    try:
+        listener = bind_listener(args.host, args.port)
+        runtime = Runtime.start(config, args.log_level)
+        server, state = _make_server(config, args, runtime, started, listener.getsockname()[1])
+
+        def on_child_death(reason: str) -> None:  # runs on the watchdog thread
+            state.frontend.fail_all(reason)
+            server.should_exit = True
+
+        runtime.watch(on_child_death)
+        server.run(sockets=[listener])
+        if runtime.failure is not None or not server.started:
+            return 1
+        return 0
+    except (KeyboardInterrupt, _Stop):
+        return 0 if runtime is None or runtime.failure is None else 1
+    except StartupError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        if runtime is not None:
+            logger.debug("stopping the child processes")
+            runtime.shutdown()
+
+
+def _make_server(
+    config: EngineConfig, args: ServerArgs, runtime: Runtime, started: float, port: int
+) -> tuple[Any, ServerState]:
+    import uvicorn
+
+    from minisgl.server.app import create_app
+    from minisgl.server.frontend import Frontend
+    from minisgl.server.metrics import ServerMetrics
+    from minisgl.server.state import ModelInfo, ServerState
+
+    engine_info = runtime.infos["scheduler-tp0"]
+    info = ModelInfo(
+        served_model_name=args.served_model_name or default_served_name(config),
+        model_path=engine_info["model_path"],
+        context_length=int(engine_info["context_length"]),
+        engine=engine_info,
+    )
+    metrics = ServerMetrics()
+    state = ServerState(info, Frontend(runtime.addresses, metrics), metrics, int(time.time()))
+
+    def on_started() -> None:
+        logger.info(
+            "minisgl serving %s at http://%s:%d (startup took %.1fs)",
+            info.served_model_name, args.host, port, time.perf_counter() - started,
+        )  # fmt: skip
+
+    app = create_app(state, on_started)
+    cfg = uvicorn.Config(
+        app, log_level=args.log_level.lower(), timeout_graceful_shutdown=3, access_log=False
+    )
+    return uvicorn.Server(cfg), state

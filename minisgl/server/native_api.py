@@ -1,0 +1,135 @@
+"""SGLang-native routes: POST /generate, /flush_cache, /get_model_info, /debug/integrity."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from minisgl.ipc.messages import ControlReply, TextOutput
+from minisgl.server.errors import APIError, bad_request, sse_error
+from minisgl.server.frontend import RequestGroup, SequenceResult, ServiceUnavailable, make_items
+from minisgl.server.protocol import GenerateRequest, choice_params
+from minisgl.server.state import ServerState, server_state
+from minisgl.server.streaming import DONE, respond, sse
+
+router = APIRouter()
+
+IDLE_WAIT_S = 60.0  # control requests that need an idle scheduler wait at most this long
+
+
+def finish_reason(r: SequenceResult) -> dict[str, Any] | None:
+    if r.finish_reason is None:
+        return None
+    if r.finish_reason == "stop":
+        return {"type": "stop", "matched": r.matched_stop}
+    if r.finish_reason == "length":
+        return {"type": "length", "length": r.completion_tokens}
+    return {"type": "abort", "message": r.error or "aborted"}
+
+
+def _item(rid: str, r: SequenceResult, arrival: float, with_logprobs: bool) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "finish_reason": finish_reason(r),
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens,
+        "e2e_latency": time.perf_counter() - arrival,
+    }
+    if with_logprobs:
+        meta["output_token_logprobs"] = [[e.logprob, e.token_id, e.token] for e in r.logprobs]
+        meta["output_top_logprobs"] = [
+            [[t.logprob, t.token_id, t.token] for t in e.top] for e in r.logprobs
+        ]
+    return {"text": r.text, "output_ids": r.token_ids, "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Response:
+    state = server_state(request)
+    try:
+        prompts, is_batch = body.prompts()
+        fields = body.sampling_fields()
+    except ValueError as exc:
+        raise bad_request(exc) from None
+    n = fields["n"]
+    group = state.submit(make_items(prompts, [choice_params(fields, i) for i in range(n)]))
+    base = body.rid or uuid.uuid4().hex
+    ids = [base] if len(group.rids) == 1 else [f"{base}-{i}" for i in range(len(group.rids))]
+    single = not is_batch and n == 1
+
+    def full(results: list[SequenceResult]) -> Any:
+        items = [
+            _item(ids[i], r, group.arrival, body.return_logprob) for i, r in enumerate(results)
+        ]
+        return items[0] if single else items
+
+    async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
+        # Like SGLang: each event carries the text and output ids so far, not a delta.
+        results = [SequenceResult() for _ in group.rids]
+        async for out in group.outputs(first):
+            if out.error is not None:
+                yield sse_error(out.error_status or 500, out.error)
+                break
+            i = group.index[out.rid]
+            results[i].add(out)
+            event = _item(ids[i], results[i], group.arrival, body.return_logprob)
+            if not single:
+                event["index"] = i
+            yield sse(event)
+        yield DONE
+
+    return await respond(request, group, body.stream, stream, full)
+
+
+async def _control(state: ServerState, kind: str, timeout: float) -> ControlReply:
+    try:
+        return await state.frontend.control(kind, timeout)
+    except asyncio.TimeoutError:
+        raise APIError(
+            503, f"the scheduler did not answer {kind!r} within {timeout:.0f}s"
+        ) from None
+    except ServiceUnavailable as exc:
+        raise APIError(503, f"the engine is not available: {exc}") from None
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    """Drop the prefix cache (waits until no request is running)."""
+    reply = await _control(server_state(request), "flush_cache", IDLE_WAIT_S)
+    if not reply.ok:
+        raise APIError(400, "cache not flushed: requests are still running")
+    return JSONResponse({"success": True, "message": "Cache flushed."})
+
+
+@router.get("/debug/integrity")
+async def integrity(request: Request) -> Response:
+    """Run the scheduler's KV integrity check once it is idle; report it with the counts of
+    live requests in every process (all zero when nothing leaked)."""
+    state = server_state(request)
+    reply = await _control(state, "integrity", IDLE_WAIT_S)
+    data = dict(reply.data)
+    data["api_live_requests"] = state.frontend.num_live_requests
+    return JSONResponse(data, status_code=200 if reply.ok else 500)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    info = server_state(request).info
+    return JSONResponse(
+        {
+            "model_path": info.model_path,
+            "served_model_name": info.served_model_name,
+            "tokenizer_path": info.model_path,
+            "is_generation": True,
+            "context_length": info.context_length,
+            "max_model_len": info.context_length,
+            **{k: v for k, v in info.engine.items() if k in ("page_size", "num_pages", "device")},
+        }
+    )

@@ -1,0 +1,208 @@
+"""OpenAI-compatible routes: POST /v1/chat/completions and POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from minisgl.ipc.messages import TextOutput, TokenLogprob
+from minisgl.server.errors import bad_request, sse_error
+from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
+from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, choice_params
+from minisgl.server.state import server_state
+from minisgl.server.streaming import DONE, respond, sse, usage
+
+router = APIRouter()
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    """The fields every response and chunk of one request repeats."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+    def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": self.id, "object": self.object, "created": self.created, "model": self.model,
+            "choices": choices, **extra,
+        }  # fmt: skip
+
+
+def _token_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    content = []
+    for e in entries:
+        item = _token_entry(e.token, e.logprob)
+        item["top_logprobs"] = [_token_entry(t.token, t.logprob) for t in e.top]
+        content.append(item)
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    entries: list[TokenLogprob], offset: int, prompt_tokens: list[str] | None = None
+) -> dict[str, Any]:
+    """Legacy completions logprobs; text_offset counts from ``offset`` (the text before)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    # TODO: prompt logprobs (echo + logprobs) once the engine can return them; null for now.
+    rows: list[tuple[str, float | None, dict[str, float] | None]] = [
+        (tok, None, None) for tok in prompt_tokens or []
+    ]
+    rows += [(e.token, e.logprob, {t.token: t.logprob for t in e.top}) for e in entries]
+    for token, logprob, alternatives in rows:
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        top.append(alternatives)
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+# ---------------------------------------------------------------- chat
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    try:
+        fields = body.sampling_fields()
+    except ValueError as exc:
+        raise bad_request(exc) from None
+    n = fields["n"]
+    items = make_items([body.message_dicts()], [choice_params(fields, i) for i in range(n)])
+    group = state.submit(items)
+    env = _Envelope(
+        f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), state.served_model_name
+    )
+
+    def full(results: list[SequenceResult]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
+                "finish_reason": r.finish_reason,
+                "matched_stop": r.matched_stop,
+            }
+            for i, r in enumerate(results)
+        ]
+        return env.wrap(choices, usage=usage(results, n))
+
+    async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
+        chunk_env = _Envelope(env.id, "chat.completion.chunk", env.created, env.model)
+        extra = {"usage": None} if body.include_usage else {}
+
+        def chunk(
+            i: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
+        ) -> str:
+            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return sse(chunk_env.wrap([choice], **extra))
+
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        results = [SequenceResult() for _ in group.rids]
+        async for out in group.outputs(first):
+            if out.error is not None:
+                yield sse_error(out.error_status or 500, out.error)
+                break
+            i = group.index[out.rid]
+            results[i].add(out)
+            delta = {"content": out.text} if out.text else {}
+            logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
+            if out.finished:
+                yield chunk(i, delta, logprobs, out.finish_reason)
+            elif delta or logprobs:
+                yield chunk(i, delta, logprobs)
+        else:
+            if body.include_usage:
+                yield sse(chunk_env.wrap([], usage=usage(results, n)))
+        yield DONE
+
+    return await respond(request, group, body.stream, stream, full)
+
+
+# ---------------------------------------------------------------- completions
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    try:
+        fields = body.sampling_fields()
+        prompts = body.prompts()
+    except ValueError as exc:
+        raise bad_request(exc) from None
+    n = fields["n"]
+    want_logprobs = body.logprobs is not None
+    items = make_items(
+        prompts, [choice_params(fields, i) for i in range(n)],
+        return_prompt_text=body.echo, return_prompt_tokens=body.echo and want_logprobs,
+    )  # fmt: skip
+    group = state.submit(items)
+    env = _Envelope(
+        f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), state.served_model_name
+    )
+
+    def full(results: list[SequenceResult]) -> dict[str, Any]:
+        choices = []
+        for i, r in enumerate(results):
+            prefix = (r.prompt_text or "") if body.echo else ""
+            logprobs = None
+            if want_logprobs:
+                logprobs = completion_logprobs(
+                    r.logprobs, 0, r.prompt_token_strs if body.echo else None
+                )
+            choices.append(
+                {"index": i, "text": prefix + r.text, "logprobs": logprobs,
+                 "finish_reason": r.finish_reason, "matched_stop": r.matched_stop}
+            )  # fmt: skip
+        return env.wrap(choices, usage=usage(results, n))
+
+    async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
+        extra = {"usage": None} if body.include_usage else {}
+        results = [SequenceResult() for _ in group.rids]
+        offsets = [0] * len(group.rids)
+        async for out in group.outputs(first):
+            if out.error is not None:
+                yield sse_error(out.error_status or 500, out.error)
+                break
+            i = group.index[out.rid]
+            results[i].add(out)
+            text = out.text
+            if body.echo and out.prompt_text is not None:
+                text = out.prompt_text + text
+            logprobs = None
+            if want_logprobs and (out.logprobs or out.prompt_token_strs):
+                logprobs = completion_logprobs(
+                    out.logprobs or [], offsets[i], out.prompt_token_strs
+                )
+            offsets[i] += len(text)
+            if out.finished or text or logprobs:
+                choice = {
+                    "index": i,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                }
+                yield sse(env.wrap([choice], **extra))
+        else:
+            if body.include_usage:
+                yield sse(env.wrap([], usage=usage(results, n)))
+        yield DONE
+
+    return await respond(request, group, body.stream, stream, full)

@@ -1,0 +1,260 @@
+"""Request bodies of the HTTP API (pydantic), and their translation to `SamplingParams`.
+
+Shape errors are pydantic's job (reported as 400); value ranges are checked once, by
+`SamplingParams.validate`, so the server and the offline API agree on what is valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minisgl.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per request: more is almost surely a mistake, and each one costs KV
+# Seeds cross IPC as 64-bit integers; choice i of an n > 1 request uses seed + i, so leave room.
+SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _OpenAISampling(BaseModel):
+    """Fields shared by chat and text completions (OpenAI, plus SGLang's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # SGLang / vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    def _base_params(self, max_tokens: int | None) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+            "max_tokens": max_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "n": self.n,
+        }
+        return {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        fields = self._base_params(max_tokens)
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        fields["logprobs"] = self.logprobs
+        fields["top_logprobs"] = self.top_logprobs or 0
+        return check_sampling_fields(fields)
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_OpenAISampling):
+    # str | list[str] | list[int] | list[list[int]], checked in prompts(): pydantic's union
+    # errors ("prompt.str: Input should be a valid string") would not tell the user much.
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def sampling_fields(self) -> dict[str, Any]:
+        fields = self._base_params(self.max_tokens)
+        if self.logprobs is not None:
+            fields["logprobs"] = True
+            fields["top_logprobs"] = self.logprobs
+        return check_sampling_fields(fields)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of texts or token-id lists (one per prompt)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if all(_is_token_id(t) for t in p):
+                return [list(p)]
+            if all(isinstance(t, str) for t in p):
+                return list(p)
+            if all(isinstance(t, list) and t and all(_is_token_id(i) for i in t) for t in p):
+                return [list(t) for t in p]
+        if p == [] or p == [[]]:
+            raise ValueError("prompt is empty: at least one token is required")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids "
+            f"(integers in [0, {MAX_TOKEN_ID}]), or a list of token-id lists"
+        )
+
+
+MAX_TOKEN_ID = 2**31 - 1  # the scheduler reports ids outside the vocabulary precisely
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_TOKEN_ID
+
+
+class GenerateSamplingParams(BaseModel):
+    """SGLang's `sampling_params` object; unknown keys are rejected rather than ignored, so a
+    misspelt or unsupported option (e.g. `max_tokens`, `regex`) is an error, not a surprise."""
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = Field(default=None, alias="sampling_seed")
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate: one prompt (text or token ids) or a batch of them."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rid: str | None = None
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """(prompts, is_batch)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text and input_ids must be given")
+        if self.text is not None:
+            if isinstance(self.text, str):
+                return [self.text], False
+            return list(self.text), True
+        ids = self.input_ids or []
+        if ids and isinstance(ids[0], list):
+            return list(ids), True  # type: ignore[arg-type]
+        return [list(ids)], False  # type: ignore[arg-type]
+
+    def sampling_fields(self) -> dict[str, Any]:
+        sp = self.sampling_params
+        fields = {
+            "max_tokens": sp.max_new_tokens,
+            "min_tokens": sp.min_new_tokens,
+            "temperature": sp.temperature,
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "min_p": sp.min_p,
+            "frequency_penalty": sp.frequency_penalty,
+            "presence_penalty": sp.presence_penalty,
+            "repetition_penalty": sp.repetition_penalty,
+            "stop": sp.stop,
+            "stop_token_ids": sp.stop_token_ids,
+            "ignore_eos": sp.ignore_eos,
+            "skip_special_tokens": sp.skip_special_tokens,
+            "n": sp.n,
+            "seed": sp.seed,
+            "logprobs": self.return_logprob,
+            "top_logprobs": self.top_logprobs_num if self.return_logprob else 0,
+        }
+        return check_sampling_fields(fields)
+
+
+def check_sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """Validate through SamplingParams (ValueError names the field); return the full field
+    dict to send, with max_tokens None kept as "fill the context"."""
+    probe = dict(fields)
+    if probe.get("max_tokens") is None:
+        probe["max_tokens"] = max(1, int(probe.get("min_tokens") or 0))
+    params = SamplingParams(**probe)
+    if params.n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N}, got {params.n}")
+    if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {params.seed}")
+    out = dataclasses.asdict(params)
+    out["max_tokens"] = fields.get("max_tokens")
+    return out
+
+
+_FIELD_RE = re.compile(r"^(\w+) (must|requires)")
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message names (messages start with the field name)."""
+    m = _FIELD_RE.match(message)
+    return m.group(1) if m else None
+
+
+def choice_params(fields: dict[str, Any], index: int) -> dict[str, Any]:
+    """The fields for choice ``index`` of an n > 1 request: each choice is its own sequence,
+    with a distinct seed so that seeded choices still differ (and stay reproducible)."""
+    out = dict(fields, n=1)
+    if out.get("seed") is not None:
+        out["seed"] = out["seed"] + index
+    return out

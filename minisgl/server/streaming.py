@@ -1,0 +1,131 @@
+"""The request/response flow shared by every generation route.
+
+1. Wait for the first output (or the client leaving). An error there (bad prompt, too long)
+   becomes a proper HTTP error, even for stream=true: nothing was queued yet.
+2. Streaming: SSE lines ``data: {json}\\n\\n`` ending with ``data: [DONE]\\n\\n``. Whatever
+   ends the response (done, client gone, server stopping), the group is closed, which aborts
+   unfinished sequences in the scheduler and frees their KV.
+3. Non-streaming: collect all outputs, racing the client's disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from minisgl.ipc.messages import TextOutput
+from minisgl.server.errors import APIError
+from minisgl.server.frontend import RequestGroup, SequenceResult
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED_REQUEST = 499  # nginx's convention; the client never sees it
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class ClientGone(Exception):
+    pass
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always runs ``on_close`` when it ends, however it ends."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body was already read, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def wait_or_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """The awaitable's result, or ClientGone if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work  # let it unwind before the caller cleans up
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def collect(group: RequestGroup, first: TextOutput) -> list[SequenceResult]:
+    results = [SequenceResult() for _ in group.rids]
+    async for out in group.outputs(first):
+        results[group.index[out.rid]].add(out)
+    return results
+
+
+StreamFn = Callable[[RequestGroup, TextOutput], AsyncIterator[str]]
+FullFn = Callable[[list[SequenceResult]], dict[str, Any]]
+
+
+async def respond(
+    request: Request, group: RequestGroup, stream: bool, make_stream: StreamFn, make_full: FullFn
+) -> Response:
+    handed_over = False
+    try:
+        first = await wait_or_disconnect(request, group.first())
+        if first.error is not None:
+            raise APIError(first.error_status or 500, first.error)
+        if stream:
+            handed_over = True  # from here on the response closes the group
+            return SSEResponse(make_stream(group, first), on_close=group.close)
+        results = await wait_or_disconnect(request, collect(group, first))
+        failed = next((r for r in results if r.error is not None), None)
+        if failed is not None:
+            raise APIError(failed.error_status or 500, failed.error or "request failed")
+        return JSONResponse(make_full(results))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        if not handed_over:
+            group.close()
+
+
+def usage(results: list[SequenceResult], n: int) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once (not once per choice), completions summed."""
+    prompt = cached = 0
+    for start in range(0, len(results), n):
+        choices = results[start : start + n]
+        prompt += max(r.prompt_tokens for r in choices)
+        cached += max(r.cached_tokens for r in choices)
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

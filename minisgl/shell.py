@@ -1,0 +1,158 @@
+"""Interactive multi-turn chat in the terminal, with the engine in-process (no server).
+
+    python -m minisgl --shell [engine flags]
+
+/reset clears the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops the current answer.
+Sampling can be tuned with MINISGL_SHELL_TEMPERATURE, MINISGL_SHELL_TOP_P and
+MINISGL_SHELL_MAX_TOKENS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from minisgl.config import EngineConfig
+from minisgl.sampling_params import SamplingParams
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+
+PROMPT = ">>> "
+HELP = "Type a message. /reset clears the conversation, /exit leaves, Ctrl-C stops an answer."
+
+
+def shell_sampling() -> SamplingParams:
+    env = os.environ
+    return SamplingParams(
+        temperature=float(env.get("MINISGL_SHELL_TEMPERATURE", "0.6")),
+        top_p=float(env.get("MINISGL_SHELL_TOP_P", "0.95")),
+        max_tokens=int(env.get("MINISGL_SHELL_MAX_TOKENS", "512")),
+    )
+
+
+class ChatSession:
+    """A conversation with the in-process scheduler; answers are streamed to ``write``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from minisgl.engine.engine import Engine
+        from minisgl.scheduler.scheduler import Scheduler
+        from minisgl.tokenizer import load_tokenizer
+
+        self.engine = Engine(config)
+        self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
+        self.scheduler = Scheduler(self.engine, decode=self._decode)
+        self.history: list[dict[str, str]] = []
+        self.params = shell_sampling()
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def _prompt_ids(self) -> list[int]:
+        """The conversation rendered by the chat template; the oldest turns are dropped when
+        it no longer leaves room for an answer."""
+        room = min(self.params.max_tokens, self.scheduler.context_length // 2)
+        while True:
+            ids = self.tokenizer.apply_chat_template(
+                self.history, add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            if len(ids) + room <= self.scheduler.context_length or len(self.history) <= 1:
+                return [int(t) for t in ids]
+            del self.history[:2]
+
+    def ask(self, text: str, write: Callable[[str], Any]) -> str:
+        self.history.append({"role": "user", "content": text})
+        ids = self._prompt_ids()
+        room = self.scheduler.context_length - len(ids)
+        if room < 1:
+            self.history.pop()
+            raise ValueError("the message is longer than the model's context")
+        params = SamplingParams(
+            **{**vars(self.params), "max_tokens": min(self.params.max_tokens, room)}
+        )
+        req = self.scheduler.add_request(ids, params)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        answer: list[str] = []
+        seen = 0
+        with _interruptible() as interrupted:
+            while not req.finished:
+                # Ctrl-C only sets a flag: stopping inside a step would leave it half-done.
+                if interrupted():
+                    self.scheduler.abort(req.uid)
+                    write(" [stopped]")
+                    break
+                self.scheduler.step()
+                new = req.output_ids[seen:]
+                seen = len(req.output_ids)
+                if req.finished and isinstance(req.matched_stop, int) and new:
+                    new = new[:-1]  # the end-of-turn token is not part of the answer
+                delta = detok.add(new) + (detok.flush() if req.finished else "")
+                if delta:
+                    answer.append(delta)
+                    write(delta)
+        reply = "".join(answer)
+        self.history.append({"role": "assistant", "content": reply})
+        return reply
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[Callable[[], bool]]:
+    hits: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: hits.append(signum))
+    try:
+        yield lambda: bool(hits)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _line_reader() -> Callable[[str], str]:
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import InMemoryHistory
+
+        session: PromptSession[str] = PromptSession(history=InMemoryHistory())
+        return lambda prompt: session.prompt(prompt)
+    return input  # piped input: plain lines, no line editing
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def run_shell(config: EngineConfig) -> int:
+    print("Loading the model...", flush=True)
+    chat = ChatSession(config)
+    print(f"minisgl shell ({chat.engine.resolved.path.name}, {chat.engine.device}). {HELP}")
+    read = _line_reader()
+    while True:
+        try:
+            line = read(PROMPT).strip()
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            continue
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            chat.reset()
+            print("(conversation cleared)")
+            continue
+        if line.startswith("/"):
+            print(HELP)
+            continue
+        try:
+            chat.ask(line, _write)
+        except ValueError as exc:
+            print(f"error: {exc}")
+        print()

@@ -1,0 +1,276 @@
+"""The OpenAI-compatible API, driven by the official openai client, against the default model
+(SmolLM2-135M-Instruct on CPU) in a real server process. Every response and chunk is
+re-validated against the client's own pydantic types."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import openai
+import pytest
+from openai.types import Completion, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from tests.e2e.conftest import QUESTION
+from tests.e2e.server_utils import ServerHandle, wait_idle_and_check
+
+MODEL = "smollm2"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(default_server: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=default_server.url("/v1"), api_key="none", max_retries=0, timeout=300
+    )
+
+
+def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, str]]) -> int:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+
+
+def check_stream_finishes(chunks: list[Any], n: int) -> None:
+    """Exactly one finish_reason per choice index, and it is a known reason."""
+    finishes = Counter(c.index for ch in chunks for c in ch.choices if c.finish_reason is not None)
+    assert finishes == Counter(range(n)), finishes
+    reasons = {c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason}
+    assert reasons <= {"stop", "length"}, reasons
+
+
+def test_launch_to_first_answer(
+    default_server: ServerHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    notes = default_server.notes
+    with capsys.disabled():
+        print(
+            f"\n[minisgl e2e] default model on CPU: launch -> ready {notes['ready_s']:.1f}s, "
+            f"launch -> first answer {notes['first_answer_s']:.1f}s ({notes['first_answer']!r})"
+        )
+    assert "Paris" in notes["first_answer"]
+
+
+def test_models_list_and_retrieve(client: openai.OpenAI) -> None:
+    models = list(client.models.list())
+    assert [m.id for m in models] == [MODEL]
+    Model.model_validate(models[0].model_dump())
+    assert isinstance(models[0].model_extra["max_model_len"], int)
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_chat_non_stream(
+    client: openai.OpenAI, tokenizer: Any, default_server: ServerHandle
+) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0
+    )
+    ChatCompletion.model_validate(resp.model_dump())
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == default_server.notes["first_answer"]  # greedy is repeatable
+    assert "<|im_end|>" not in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    usage = resp.usage
+    assert usage is not None
+    assert usage.prompt_tokens == chat_prompt_tokens(tokenizer, QUESTION)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert 0 < usage.completion_tokens <= 8
+    # The same prompt was served before, so most of it comes from the prefix cache.
+    assert 0 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
+def test_chat_stream_with_usage(
+    client: openai.OpenAI, tokenizer: Any, default_server: ServerHandle
+) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    for ch in chunks:
+        ChatCompletionChunk.model_validate(ch.model_dump())
+        assert ch.object == "chat.completion.chunk" and ch.model == MODEL
+    assert len({ch.id for ch in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body, last = chunks[:-1], chunks[-1]
+    check_stream_finishes(body, 1)
+    assert last.choices == [] and last.usage is not None
+    assert all(ch.usage is None for ch in body)
+    text = "".join(c.delta.content or "" for ch in body for c in ch.choices)
+    assert text == default_server.notes["first_answer"]  # streamed == non-streamed
+    assert last.usage.prompt_tokens == chat_prompt_tokens(tokenizer, QUESTION)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+
+
+def test_completions_prompt_forms_and_echo(client: openai.OpenAI, tokenizer: Any) -> None:
+    ids = tokenizer.encode(PROMPT)
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    Completion.model_validate(resp.model_dump())
+    assert resp.object == "text_completion" and resp.choices[0].text
+    assert resp.usage.prompt_tokens == len(ids)
+    # Two token-id prompts with echo: both choices, prompt-major order, prompts counted once each.
+    other = tokenizer.encode("Hello, my name is")
+    resp = client.completions.create(
+        model=MODEL, prompt=[ids, other], max_tokens=3, temperature=0, echo=True
+    )
+    Completion.model_validate(resp.model_dump())
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert resp.choices[0].text.startswith(PROMPT)
+    assert resp.choices[1].text.startswith("Hello, my name is")
+    assert resp.usage.prompt_tokens == len(ids) + len(other)
+
+
+def test_completions_stream_with_usage(client: openai.OpenAI, tokenizer: Any) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    for ch in chunks:
+        dumped = ch.model_dump()
+        for c in dumped["choices"]:
+            # The client reuses the non-streaming type, whose finish_reason may not be null;
+            # mid-stream chunks carry null there (as OpenAI's own stream does).
+            c["finish_reason"] = c["finish_reason"] or "length"
+        Completion.model_validate(dumped)
+        assert ch.object == "text_completion"
+    check_stream_finishes(chunks[:-1], 1)
+    assert "".join(c.text for ch in chunks[:-1] for c in ch.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(
+        tokenizer.encode(PROMPT)
+    )
+
+
+def test_n_choices(client: openai.OpenAI, tokenizer: Any) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=6, temperature=0.8, n=2
+    )
+    ChatCompletion.model_validate(resp.model_dump())
+    assert sorted(c.index for c in resp.choices) == [0, 1]
+    assert resp.usage.prompt_tokens == chat_prompt_tokens(tokenizer, QUESTION)  # counted once
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=6, temperature=0.8, n=2, stream=True
+        )
+    )
+    check_stream_finishes(chunks, 2)
+    roles = [c.index for ch in chunks for c in ch.choices if c.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1]
+
+
+def _stop_across_tokens(client: openai.OpenAI, tokenizer: Any) -> tuple[str, str]:
+    """A greedy completion and a stop string that straddles a token boundary in it."""
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for k in range(len(ids) // 2, len(ids)):
+        cut = len(tokenizer.decode(ids[:k]))
+        stop = text[cut - 2 : cut + 2]
+        if len(stop) == 4 and text.find(stop) == cut - 2:
+            return text, stop
+    pytest.skip(f"no usable stop string in {text!r}")
+
+
+def test_stop_string_across_chunks(client: openai.OpenAI, tokenizer: Any) -> None:
+    text, stop = _stop_across_tokens(client, tokenizer)
+    expected = text[: text.find(stop)]
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "zzzz"]
+    )
+    assert resp.choices[0].text == expected
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].model_extra["matched_stop"] == stop
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True
+        )
+    )
+    pieces = [c.text for ch in chunks for c in ch.choices]
+    assert "".join(pieces) == expected  # nothing of the stop string ever leaked
+    check_stream_finishes(chunks, 1)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    ChatCompletion.model_validate(resp.model_dump())
+    content = resp.choices[0].logprobs.content
+    assert content and len(content) <= 5
+    for item in content:
+        assert len(item.top_logprobs) == 3
+        assert item.logprob <= 0
+        tops = [t.logprob for t in item.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert item.top_logprobs[0].token == item.token
+        assert abs(item.top_logprobs[0].logprob - item.logprob) < 1e-4
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, logprobs=True,
+            top_logprobs=3, stream=True,
+        )
+    )  # fmt: skip
+    streamed = [i for ch in chunks for c in ch.choices if c.logprobs for i in c.logprobs.content]
+    assert streamed and all(len(i.top_logprobs) == 3 for i in streamed)
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3
+    )
+    lp = resp.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs)
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+
+
+def test_seed_reproducible(client: openai.OpenAI) -> None:
+    def ask() -> str:
+        r = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=8, temperature=0.8, seed=1234
+        )
+        return r.choices[0].message.content or ""
+
+    assert ask() == ask()
+
+
+def test_max_completion_tokens_and_extras(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=3, temperature=0.7,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"ignore_eos": True, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )  # fmt: skip
+    assert resp.usage.completion_tokens == 3
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_metrics(default_server: ServerHandle) -> None:
+    status, text = default_server.get("/metrics")
+    assert status == 200
+    for name in (
+        "minisgl_num_running_reqs", "minisgl_num_waiting_reqs", "minisgl_kv_cache_usage",
+        "minisgl_prefix_cache_hit_rate", "minisgl_time_to_first_token_seconds_bucket",
+        "minisgl_inter_token_latency_seconds_bucket", "minisgl_generation_tokens_total",
+    ):  # fmt: skip
+        assert name in text, name
+    values = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["minisgl_generation_tokens_total"] > 0
+    assert values["minisgl_time_to_first_token_seconds_count"] > 0
+    assert 0 < values["minisgl_prefix_cache_hit_rate"] <= 1
+
+
+def test_zz_nothing_leaked(default_server: ServerHandle) -> None:
+    wait_idle_and_check(default_server)

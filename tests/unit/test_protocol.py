@@ -1,0 +1,189 @@
+"""The server's external shapes without a model: HTTP request bodies and their sampling
+parameters, the IPC message codec, and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from pydantic import ValidationError
+
+from minisgl.cli import build_parser, engine_config
+from minisgl.config import EngineConfig
+from minisgl.ipc.messages import (
+    AddRequests,
+    StepOutputs,
+    SubmitItem,
+    SubmitRequest,
+    TokenizedRequest,
+    TokenLogprob,
+    TokenOutput,
+    TopLogprob,
+    decode,
+    encode,
+)
+from minisgl.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    check_sampling_fields,
+    choice_params,
+    param_of,
+)
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+# ---------------------------------------------------------------- request bodies
+def test_chat_defaults_fill_the_context() -> None:
+    fields = ChatCompletionRequest(messages=MSG).sampling_fields()
+    assert fields["max_tokens"] is None  # the scheduler fills it with the room left
+    assert fields["temperature"] == 1.0 and fields["n"] == 1 and fields["stop"] == []
+
+
+def test_max_completion_tokens_wins() -> None:
+    req = ChatCompletionRequest(messages=MSG, max_tokens=10, max_completion_tokens=3)
+    assert req.sampling_fields()["max_tokens"] == 3
+
+
+def test_chat_message_parts_and_roles() -> None:
+    req = ChatCompletionRequest(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None},
+        ]
+    )
+    assert [m["content"] for m in req.message_dicts()] == ["be brief", "ab", ""]
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[])
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 2}, "top_p"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+        ({"seed": 2**70}, "seed"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+    ],
+)
+def test_invalid_values_name_their_field(extra: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ChatCompletionRequest(messages=MSG, **extra).sampling_fields()
+    assert param_of(str(err.value)) == field
+
+
+def test_completion_prompt_forms() -> None:
+    def prompts(p: object) -> list[object]:
+        return CompletionRequest(prompt=p).prompts()
+
+    assert prompts("a") == ["a"]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    for bad in (["a", [1]], [True], [-1], [[]], 5, None, {"a": 1}):
+        with pytest.raises(ValueError):
+            prompts(bad)
+    with pytest.raises(ValueError, match="empty"):
+        prompts([])
+
+
+def test_completion_logprobs_ask_for_alternatives() -> None:
+    fields = CompletionRequest(prompt="x", logprobs=3).sampling_fields()
+    assert fields["logprobs"] is True and fields["top_logprobs"] == 3
+    assert CompletionRequest(prompt="x").sampling_fields()["max_tokens"] == 16
+
+
+def test_generate_request() -> None:
+    req = GenerateRequest(text="hi", sampling_params={"max_new_tokens": 5, "sampling_seed": 7})
+    fields = req.sampling_fields()
+    assert fields["max_tokens"] == 5 and fields["seed"] == 7
+    assert req.prompts() == (["hi"], False)
+    assert GenerateRequest(input_ids=[[1], [2]]).prompts() == ([[1], [2]], True)
+    with pytest.raises(ValidationError):  # a misspelt option is an error, not ignored
+        GenerateRequest(text="hi", sampling_params={"max_tokens": 5})
+    with pytest.raises(ValueError):
+        GenerateRequest().prompts()
+    with pytest.raises(ValueError):
+        GenerateRequest(text="a", input_ids=[1]).prompts()
+
+
+def test_choices_get_distinct_seeds() -> None:
+    fields = check_sampling_fields({"max_tokens": 4, "seed": 10, "n": 3})
+    seeds = [choice_params(fields, i)["seed"] for i in range(3)]
+    assert seeds == [10, 11, 12]
+    assert all(choice_params(fields, i)["n"] == 1 for i in range(3))
+    unseeded = check_sampling_fields({"max_tokens": 4})
+    assert choice_params(unseeded, 1)["seed"] is None
+
+
+# ---------------------------------------------------------------- IPC codec
+def test_messages_round_trip() -> None:
+    msgs = [
+        SubmitRequest([SubmitItem(1, messages=MSG, params={"max_tokens": None}, return_prompt_text=True)]),
+        AddRequests([TokenizedRequest(2, [1, 2, 3], {"stop": ["a"], "seed": -(2**63)})]),
+        StepOutputs(
+            [
+                TokenOutput(
+                    3, [7], 4, 1, 2, "stop", "x",
+                    [TokenLogprob(7, -0.5, [TopLogprob(7, -0.5), TopLogprob(9, -1.5)])],
+                ),
+                TokenOutput(4, [], finish_reason="abort", error="boom", error_status=500),
+            ]
+        ),
+    ]  # fmt: skip
+    for msg in msgs:
+        assert decode(encode(msg)) == msg
+
+
+def test_unregistered_objects_are_refused() -> None:
+    @dataclasses.dataclass
+    class NotAMessage:
+        x: int = 0
+
+    with pytest.raises(TypeError):
+        encode(NotAMessage())
+
+
+# ---------------------------------------------------------------- command line
+def test_every_config_field_is_a_flag() -> None:
+    parser = build_parser()
+    flags = {opt for action in parser._actions for opt in action.option_strings}
+    for f in dataclasses.fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+    for alias in ("--tp", "--model-path", "--host", "--port", "--shell", "--served-model-name"):
+        assert alias in flags
+
+
+def test_defaults_match_the_config() -> None:
+    assert engine_config(build_parser().parse_args([])) == EngineConfig()
+
+
+def test_flags_reach_the_config() -> None:
+    args = build_parser().parse_args(
+        ["--model-path", "m", "--page-size", "16", "--tp", "2", "--disable-mixed-batch",
+         "--cache", "naive", "--cuda-graph-max-bs", "0", "--port", "8000"]
+    )  # fmt: skip
+    cfg = engine_config(args)
+    assert (cfg.model, cfg.page_size, cfg.tp_size, cfg.disable_mixed_batch) == ("m", 16, 2, True)
+    assert (cfg.cache, cfg.cuda_graph_max_bs, args.port) == ("naive", 0, 8000)
+
+
+def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from minisgl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--page-size", "0"])
+    assert exit_info.value.code == 2
+    assert "page_size" in capsys.readouterr().err
