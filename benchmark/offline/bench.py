@@ -58,6 +58,7 @@ def main() -> None:
     prompts, max_tokens = workload(args.num_requests, args.scale, vocab)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
+    stats0 = dict(llm.scheduler.stats)
     start = time.perf_counter()
     out = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
@@ -74,6 +75,7 @@ def main() -> None:
         "output_tok_s": round(out_tokens / elapsed, 1),
         "device": str(llm.engine.device),
         "options": options,
+        "host": {k: round(v - stats0[k], 3) for k, v in llm.scheduler.stats.items()},
         "commit": _commit(),
     }
     print(f"{out_tokens} output tokens in {elapsed:.2f}s: {out_tokens / elapsed:,.1f} tok/s")

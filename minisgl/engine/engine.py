@@ -64,9 +64,18 @@ class Engine:
     def __init__(self, config: EngineConfig, tp: TPInfo | None = None) -> None:
         self.config = config
         self.tp = tp or TPInfo()
+        if self.tp.size != config.tp_size:
+            raise ValueError(f"tp_size={config.tp_size} needs Engine(config, TPInfo(rank, size))")
         self.device = pick_device(config.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.tp.rank)
+        if self.tp.size > 1:
+            from minisgl.distributed.group import init_tp_group, rank_device
+
+            # Each rank gets its own GPU (cuda:{local rank}); then join the groups: weight
+            # loading needs none, but sizing the KV pool below is a collective.
+            self.device = rank_device(config, self.tp, self.device)
+            init_tp_group(config, self.tp, self.device)
+        elif self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)
         if config.dtype == "auto":
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
@@ -214,22 +223,28 @@ class Engine:
         logits_index = (
             ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
         )
-        ids = self.to_device(input_ids)
+        pos_dev, rows_dev = zip(*from_device) if from_device else ((), ())
+        # Every index this step needs travels in one pinned buffer and one copy.
+        parts = [
+            torch.tensor(input_ids, dtype=torch.long), positions, out_slots, logits_index,
+            torch.tensor(pos_dev, dtype=torch.long), torch.tensor(rows_dev, dtype=torch.long),
+            torch.tensor(sample_table_rows, dtype=torch.long),
+        ]
+        ids, pos, slots, logits_idx, fd_pos, fd_rows, sample_rows_dev = self.to_device(
+            torch.cat(parts)
+        ).split([len(t) for t in parts])
         if from_device:
-            pos, rows = zip(*from_device)
-            ids[self.to_device(list(pos))] = self.last_tokens[self.to_device(list(rows))]
+            ids[fd_pos] = self.last_tokens[fd_rows]
         if self.graph_runner is not None and self.graph_runner.can_run(layout):
-            logits = self.graph_runner.run(
-                layout, ids, self.to_device(positions), self.to_device(out_slots)
-            )
+            logits = self.graph_runner.run(layout, ids, pos, slots)
         else:
             batch = ForwardBatch(
                 input_ids=ids,
-                positions=self.to_device(positions),
-                out_slots=self.to_device(out_slots),
+                positions=pos,
+                out_slots=slots,
                 attn_backend=self.attn_backend,
                 attn_metadata=self.attn_backend.prepare(layout, self.device),
-                logits_index=self.to_device(logits_index),
+                logits_index=logits_idx,
             )
             logits = self.model(batch)
         if not sample_rows or sampling is None:
@@ -237,7 +252,7 @@ class Engine:
         out = self.sampler.sample(
             logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots
         )
-        self.last_tokens[self.to_device(list(sample_table_rows))] = out.next_tokens
+        self.last_tokens[sample_rows_dev] = out.next_tokens
         if penalty_slots is not None:
             self.penalties.add_tokens(penalty_slots, out.next_tokens)
         return SampleResult.start_copy(out)

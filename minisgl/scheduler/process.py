@@ -14,6 +14,7 @@ outputs. `_sync_across_ranks` is that hook.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # an idle scheduler wakes this often to check on its parent
+# The leak guard checks KV integrity whenever the scheduler has gone idle after doing work,
+# at most this often (the check walks the whole prefix cache).
+INTEGRITY_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class SchedulerArgs:
     parent_pid: int
     tp_rank: int = 0
     log_level: str = "info"
+    max_queued_requests: int | None = None  # None: queue without limit
 
 
 def run_scheduler(args: SchedulerArgs, report_queue: Any) -> None:
@@ -122,6 +127,13 @@ class SchedulerLoop:
         self.reported: dict[int, int] = {}  # output tokens already sent, per request
         self.wait_for_idle: list[ControlRequest] = []
         self.keep_running = True  # cleared by stop() (in-process use, e.g. tests)
+        self.max_queued = args.max_queued_requests
+        self.rejected_queue_full = 0
+        # Leak guard state: whether anything ran since the last check, and when that was.
+        self.dirty = False
+        self.last_check = float("-inf")
+        self.integrity_checks = 0
+        self.integrity_violations = 0
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
@@ -146,11 +158,13 @@ class SchedulerLoop:
                 except Exception:
                     logger.exception("failed to handle %s", type(msg).__name__)
             if self.scheduler.has_work:
+                self.dirty = True
                 outputs += self._step()
             if outputs:
                 sockets.send(self.outbox, StepOutputs(outputs))
             if not self.scheduler.has_work:
                 self._answer_idle_requests()
+                self._idle_integrity_check()
                 self.decoder.preload()
                 if not msgs and not parent_alive(self.parent_pid):
                     logger.warning("parent process is gone; exiting")
@@ -183,6 +197,14 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------ requests
     def _add(self, msg: AddRequests, outputs: list[TokenOutput]) -> None:
+        if self._queue_full(len(msg.reqs)):
+            self.rejected_queue_full += 1
+            message = (
+                f"the server is overloaded: {len(self.scheduler.waiting)} requests are already "
+                f"waiting (limit {self.max_queued}); retry later"
+            )
+            outputs += [_error(r.rid, message, 503) for r in msg.reqs]
+            return
         # Validate every request of the HTTP request before queueing any of them.
         try:
             params = [self._params(r.input_ids, r.params) for r in msg.reqs]
@@ -196,6 +218,15 @@ class SchedulerLoop:
         for r, p in zip(msg.reqs, params, strict=True):
             self.live[r.rid] = self.scheduler.add_request(r.input_ids, p, uid=r.rid)
             self.reported[r.rid] = 0
+
+    def _queue_full(self, new: int) -> bool:
+        """Would ``new`` more sequences leave more than the limit waiting? Sequences that will
+        take a free request slot at the next step do not count as waiting. An empty queue
+        always accepts, so that a request with many choices is slow, never impossible."""
+        waiting = len(self.scheduler.waiting)
+        if self.max_queued is None or waiting == 0:
+            return False
+        return waiting + new - len(self.scheduler.kv.free_rows) > self.max_queued
 
     def _params(self, input_ids: list[int], fields: dict[str, Any]) -> SamplingParams:
         fields = dict(fields)
@@ -277,13 +308,32 @@ class SchedulerLoop:
             sockets.send(self.outbox, reply)
         self.wait_for_idle.clear()
 
-    def _integrity(self, cid: int) -> ControlReply:
+    def _idle_integrity_check(self) -> None:
+        """The leak guard: once idle after work, every page must be free or evictable and
+        every request row free. A violation is logged and counted; serving goes on."""
+        if self.dirty and time.monotonic() - self.last_check >= INTEGRITY_INTERVAL_S:
+            self._check_integrity()
+
+    def _check_integrity(self) -> str | None:
+        self.dirty, self.last_check = False, time.monotonic()
+        self.integrity_checks += 1
         try:
             self.scheduler.check_integrity()
-            error = None
-        except AssertionError as exc:
-            error = str(exc) or "integrity check failed"
-            logger.error("KV integrity violation: %s", error)
+            return None
+        except Exception as exc:  # AssertionError, or the check itself tripping on bad state
+            error = str(exc) or f"integrity check failed ({type(exc).__name__})"
+        self.integrity_violations += 1
+        logger.error(
+            "KV leak detected (integrity violation #%d): %s; running=%d waiting=%d "
+            "free_pages=%d evictable_pages=%d total_pages=%d",
+            self.integrity_violations, error, len(self.scheduler.running),
+            len(self.scheduler.waiting), self.scheduler.kv.allocator.num_free_pages,
+            self.scheduler.kv.cache.evictable_pages, self.engine.pool.num_pages,
+        )  # fmt: skip
+        return error
+
+    def _integrity(self, cid: int) -> ControlReply:
+        error = self._check_integrity()
         data = self._stats()
         data["ok"], data["error"], data["live_requests"] = error is None, error, len(self.live)
         return ControlReply(cid, error is None, data)
@@ -302,6 +352,9 @@ class SchedulerLoop:
             "prefix_looked_up_tokens": stats.looked_up_tokens,
             "prefix_matched_tokens": stats.matched_tokens,
             "retractions": s.num_retractions,
+            "integrity_checks": self.integrity_checks,
+            "integrity_violations": self.integrity_violations,
+            "rejected_queue_full": self.rejected_queue_full,
         }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class Scheduler:
         self.ratio_decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / 600
         self.context_length = engine.context_length
         self.prefill_tokens = 0  # tokens computed in prefill (for prefix-cache savings)
+        # Where host time goes: benchmarks print these to tell CPU- from GPU-bound runs.
+        self.stats = {"steps": 0, "decode_steps": 0, "launch_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
         self.num_retractions = 0
 
     # ------------------------------------------------------------ requests
@@ -144,9 +147,13 @@ class Scheduler:
             prev = None
         else:
             done = []
+        t0 = time.perf_counter()
         rows = self._schedule()
         if rows:
             self.inflight = self._launch(rows)
+            self.stats["steps"] += 1
+            self.stats["decode_steps"] += all(r.extend == 1 for r in rows)
+        self.stats["launch_s"] += time.perf_counter() - t0
         if prev is not None:
             done = self._process(prev)
         if not self.overlap and self.inflight is not None:
@@ -346,7 +353,10 @@ class Scheduler:
         """Turn a finished batch's samples into request progress and finish requests."""
         if batch.output is None:
             return []
+        t0 = time.perf_counter()
         out = batch.output.to_host()  # the one host sync of the step
+        t1 = time.perf_counter()
+        self.stats["wait_s"] += t1 - t0
         tokens = out.next_tokens
         for i, req in enumerate(batch.reqs):
             req.inflight -= 1
@@ -369,6 +379,7 @@ class Scheduler:
                     self.kv.release(req)
                 elif req in self.waiting:  # retracted while its last token was in flight
                     self.waiting.remove(req)
+        self.stats["process_s"] += time.perf_counter() - t1
         return batch.reqs
 
     def _finish(self, req: Req, reason: str) -> None:
