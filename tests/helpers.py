@@ -31,11 +31,21 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
     }
     cfg_cls, model_cls = classes[arch]
     kwargs = dict(TINY_BASE)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 32
+    if arch == "qwen3_moe":
+        # Layer 0 dense, layer 1 sparse: both MLP kinds in one model.
+        kwargs.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[0],
+            norm_topk_prob=True,
+        )
     if arch == "mistral":
         kwargs["sliding_window"] = None
     kwargs.update(overrides)
@@ -65,7 +75,11 @@ def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<unk>"
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<unk>",
     )
     fast.chat_template = (
         "{% for m in messages %}t3 {{ m['content'] }} t4 {% endfor %}"
@@ -74,7 +88,9 @@ def save_tiny_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+def hf_greedy(
+    path: Path, prompts: list[list[int]], max_new_tokens: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """Reference: Hugging Face transformers greedy tokens and chosen-token logprobs, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
@@ -84,11 +100,17 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> tupl
         inp = torch.tensor([ids])
         with torch.no_grad():
             g = model.generate(
-                inp, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                output_scores=True, return_dict_in_generate=True, output_logits=True,
-                pad_token_id=0, eos_token_id=None,
+                inp,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                output_logits=True,
+                pad_token_id=0,
+                eos_token_id=None,
             )
-        toks = g.sequences[0, len(ids):].tolist()
+        toks = g.sequences[0, len(ids) :].tolist()
         logits = torch.stack(g.logits, 0)[:, 0].float()
         lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(toks)[:, None])[:, 0].tolist()
         outs.append(toks)

@@ -1,6 +1,6 @@
 """GPU diagnostics: decode-attention bandwidth and a kernel-time breakdown of the offline run.
 
-    python benchmark/gpu/profile_decode.py
+python benchmark/gpu/profile_decode.py
 """
 
 from __future__ import annotations
@@ -31,9 +31,15 @@ def attention_bandwidth() -> None:
         q = torch.randn(bsz, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(bsz, hk, d, device="cuda", dtype=torch.bfloat16)
         slots = table[:, -1].contiguous()
-        ms = triton.testing.do_bench(lambda: backend.forward(q, k, k, 0, slots, md, d**-0.5))
+
+        def run(backend=backend, q=q, k=k, slots=slots, md=md, d=d) -> None:  # type: ignore[no-untyped-def]
+            backend.forward(q, k, k, 0, slots, md, d**-0.5)
+
+        ms = triton.testing.do_bench(run)
         gb = bsz * seq * hk * d * 2 * 2 / 1e9
-        print(f"decode attn B={bsz} seq={seq}: {ms * 1000:.1f} us, {gb / ms:.0f} GB/s (KV {gb:.2f} GB)")
+        print(
+            f"decode attn B={bsz} seq={seq}: {ms * 1000:.1f} us, {gb / ms:.0f} TB/s*1e-3 -> {gb / ms:.0f} GB/ms (KV {gb:.2f} GB)"
+        )
 
 
 def offline_profile() -> None:
@@ -42,8 +48,13 @@ def offline_profile() -> None:
     from benchmark.offline.bench import workload
     from minisgl import LLM, SamplingParams
 
-    llm = LLM("benchmark/configs/Qwen3-0.6B", load_format="dummy", context_length=4096,
-              chunked_prefill_size=16384, cuda_graph_max_bs=256)
+    llm = LLM(
+        "benchmark/configs/Qwen3-0.6B",
+        load_format="dummy",
+        context_length=4096,
+        chunked_prefill_size=16384,
+        cuda_graph_max_bs=256,
+    )
     prompts, mt = workload(256, 0.5, 10000)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in mt]
     llm.generate(prompts[:8], params[:8], use_tqdm=False)
@@ -56,8 +67,12 @@ def offline_profile() -> None:
         for _ in range(40):
             s.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    )
+    print(
+        prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60)
+    )
     while s.has_work:
         s.step()
 

@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
-def workload(num_requests: int = 256, scale: float = 1.0, vocab: int = 10000) -> tuple[list[list[int]], list[int]]:
+def workload(
+    num_requests: int = 256, scale: float = 1.0, vocab: int = 10000
+) -> tuple[list[list[int]], list[int]]:
     random.seed(0)
     prompts = [
         [random.randint(0, vocab) for _ in range(random.randint(100, 1024))] for _ in range(256)
@@ -37,26 +39,35 @@ def workload(num_requests: int = 256, scale: float = 1.0, vocab: int = 10000) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply prompt and output lengths")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--output", default=None, help="append a JSON line with the result here")
-    ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)")
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)"
+    )
     args = ap.parse_args()
 
     options: dict[str, object] = {"load_format": args.load_format}
     for kv in args.engine_arg:
         key, value = kv.split("=", 1)
-        options[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+        options[key.replace("-", "_")] = (
+            json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+        )
     if "context_length" not in options:
         options["context_length"] = 4096
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     vocab = min(10000, llm.engine.model_config.vocab_size - 1)
     prompts, max_tokens = workload(args.num_requests, args.scale, vocab)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in max_tokens]
+    params = [
+        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m)
+        for m in max_tokens
+    ]
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
     stats0 = dict(llm.scheduler.stats)
     start = time.perf_counter()

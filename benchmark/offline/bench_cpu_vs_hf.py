@@ -23,11 +23,21 @@ from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.models.default_model import default_model_path  # noqa: E402
 
 QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity simply.",
-    "List three prime numbers.", "What is a radix tree?", "Give me a recipe for pancakes.",
-    "Why is the sky blue?", "Translate 'good morning' to Spanish.", "What is 12 times 13?",
-    "Name a famous painter.", "How do bees make honey?", "Describe a cat in one sentence.",
-    "What does a compiler do?", "Suggest a name for a dog.", "What is photosynthesis?",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain gravity simply.",
+    "List three prime numbers.",
+    "What is a radix tree?",
+    "Give me a recipe for pancakes.",
+    "Why is the sky blue?",
+    "Translate 'good morning' to Spanish.",
+    "What is 12 times 13?",
+    "Name a famous painter.",
+    "How do bees make honey?",
+    "Describe a cat in one sentence.",
+    "What does a compiler do?",
+    "Suggest a name for a dog.",
+    "What is photosynthesis?",
     "Tell me a fun fact about octopuses.",
 ]
 
@@ -37,8 +47,11 @@ def hf_run(model, prompts: list[list[int]], max_tokens: int) -> float:  # type: 
     for ids in prompts:
         with torch.inference_mode():
             model.generate(
-                torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                do_sample=False, pad_token_id=0,
+                torch.tensor([ids]),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
             )
     return time.perf_counter() - start
 
@@ -56,7 +69,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     # Warm both up.
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     hf_run(hf, prompts[:1], 8)
@@ -72,9 +87,16 @@ def main() -> None:
         results[f"minisgl_bs{bs}_tok_s"] = round(n_out / ours, 1)
         results[f"hf_bs{bs}_tok_s"] = round(n_out / theirs, 1)
         results[f"speedup_bs{bs}"] = round(theirs / ours, 2)
-        print(f"batch {bs}: minisgl {n_out / ours:.1f} tok/s, HF {n_out / theirs:.1f} tok/s "
-              f"({theirs / ours:.2f}x)")
-    line = {"bench": "cpu_vs_hf", "max_tokens": args.max_tokens, "threads": torch.get_num_threads(), **results}
+        print(
+            f"batch {bs}: minisgl {n_out / ours:.1f} tok/s, HF {n_out / theirs:.1f} tok/s "
+            f"({theirs / ours:.2f}x)"
+        )
+    line = {
+        "bench": "cpu_vs_hf",
+        "max_tokens": args.max_tokens,
+        "threads": torch.get_num_threads(),
+        **results,
+    }
     print(json.dumps(line))
     if args.output:
         with open(args.output, "a") as f:

@@ -23,7 +23,9 @@ def timed(llm: LLM, prompt: list[int], n: int, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
+        )
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -34,21 +36,30 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)")
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)"
+    )
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     options: dict[str, object] = {"load_format": args.load_format, "context_length": 4096}
     for kv in args.engine_arg:
         key, value = kv.split("=", 1)
-        options[key.replace("-", "_")] = json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+        options[key.replace("-", "_")] = (
+            json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+        )
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]
     timed(llm, prompt, 8, 1)  # warm-up
     first = timed(llm, prompt, 1, args.repeats)
     total = timed(llm, prompt, 1 + args.tokens, args.repeats)
     ms = (total - first) / args.tokens * 1000
-    result = {"bench": "latency_bs1", "model": args.model or "default", "ttft_ms": round(first * 1000, 2),
-              "decode_ms_per_token": round(ms, 3), "options": options}
+    result = {
+        "bench": "latency_bs1",
+        "model": args.model or "default",
+        "ttft_ms": round(first * 1000, 2),
+        "decode_ms_per_token": round(ms, 3),
+        "options": options,
+    }
     print(f"TTFT {first * 1000:.1f} ms, decode {ms:.3f} ms/token")
     print(json.dumps(result))
     if args.output:

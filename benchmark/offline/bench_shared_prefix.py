@@ -36,7 +36,10 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(0)
     system = [rng.randrange(100, vocab) for _ in range(args.prefix)]
-    prompts = [system + [rng.randrange(100, vocab) for _ in range(args.question)] for _ in range(args.requests)]
+    prompts = [
+        system + [rng.randrange(100, vocab) for _ in range(args.question)]
+        for _ in range(args.requests)
+    ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     sched = llm.scheduler
@@ -52,10 +55,15 @@ def main() -> None:
     total = time.perf_counter() - start
     ttft = [first[r.uid] * 1000 for r in reqs]
     result = {
-        "bench": "shared_prefix_ttft", "cache": args.cache, "requests": args.requests,
-        "prefix": args.prefix, "question": args.question,
-        "mean_ttft_ms": round(statistics.mean(ttft), 1), "p50_ttft_ms": round(statistics.median(ttft), 1),
-        "max_ttft_ms": round(max(ttft), 1), "total_s": round(total, 2),
+        "bench": "shared_prefix_ttft",
+        "cache": args.cache,
+        "requests": args.requests,
+        "prefix": args.prefix,
+        "question": args.question,
+        "mean_ttft_ms": round(statistics.mean(ttft), 1),
+        "p50_ttft_ms": round(statistics.median(ttft), 1),
+        "max_ttft_ms": round(max(ttft), 1),
+        "total_s": round(total, 2),
         "prefill_tokens_computed": sched.prefill_tokens - before,
     }
     print(json.dumps(result))

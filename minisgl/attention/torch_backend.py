@@ -36,7 +36,9 @@ class TorchBackend(AttentionBackend):
         seq = prefix + ext
         # Query i of row b sits at absolute position prefix[b] + i and sees keys <= that.
         q_abs = prefix[:, None] + q_off[None, :]
-        mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (kv_pos[None, None, :] < seq[:, None, None])
+        mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (
+            kv_pos[None, None, :] < seq[:, None, None]
+        )
         valid_q = q_off[None, :] < ext[:, None]  # [B, max_q]
         mask &= valid_q[:, :, None]
         # Padded query rows must still see one key, or softmax yields NaN.
@@ -46,7 +48,9 @@ class TorchBackend(AttentionBackend):
         flat = starts[:, None] + q_off[None, :]
         total = int(sum(layout.extend_lens))
         q_pad_index = torch.where(valid_q, flat, total).reshape(-1)
-        q_unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + q_off[None, :])[valid_q]
+        q_unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + q_off[None, :])[
+            valid_q
+        ]
         return TorchMetadata(kv_index, q_pad_index, q_unpad_index, mask.unsqueeze(1), bsz, max_q)
 
     def forward(

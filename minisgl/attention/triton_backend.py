@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.kernels import cdiv
 from minisgl.kernels.attention import decode_attention, extend_attention
 from minisgl.kernels.store import store_kv
 from minisgl.kvcache.pool import KVPool
@@ -55,15 +55,21 @@ def plan_decode_splits(
     ``min_split_tokens`` costs more in the reduction than it saves. The count is then
     shrunk so that every chunk, rounded up to ``block_n`` as the kernel does, is non-empty.
     """
-    base = max(1, len(seq_lens) * num_kv_heads)
-    want = max(1, min(max_splits, triton.cdiv(2 * num_sms, base)))
+    want = decode_split_cap(len(seq_lens), num_kv_heads, num_sms, max_splits)
+    if want == 1:
+        return [1] * len(seq_lens)  # a big batch fills the GPU without splitting
     plan = []
     for length in seq_lens:
         length = max(length, 1)  # padding rows of a captured graph may be empty
-        n = max(1, min(want, triton.cdiv(length, min_split_tokens)))
-        chunk = triton.cdiv(triton.cdiv(length, n), block_n) * block_n
-        plan.append(max(1, triton.cdiv(length, chunk)))
+        n = max(1, min(want, cdiv(length, min_split_tokens)))
+        chunk = cdiv(cdiv(length, n), block_n) * block_n
+        plan.append(max(1, cdiv(length, chunk)))
     return plan
+
+
+def decode_split_cap(batch: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+    """Largest useful split count: enough programs for about two waves of SMs."""
+    return max(1, min(max_splits, cdiv(2 * num_sms, max(1, batch * num_kv_heads))))
 
 
 class TritonBackend(AttentionBackend):
@@ -112,9 +118,15 @@ class TritonBackend(AttentionBackend):
         block_batch: list[int] = []
         block_qstart: list[int] = []
         block_m, block_n, warps = extend_tiles(self.pool.head_dim, max(ext))
+        max_splits = self.max_kv_splits
         if is_decode:
+            # The split axis depends on the batch size only (so CUDA graphs, captured per
+            # size, stay valid); a batch that fills the GPU gets 1 and skips the reduction.
+            max_splits = decode_split_cap(
+                bsz, self.pool.num_kv_heads, self._sm_count(device), self.max_kv_splits
+            )
             splits = plan_decode_splits(
-                seq, self.pool.num_kv_heads, self._sm_count(device), self.max_kv_splits,
+                seq, self.pool.num_kv_heads, self._sm_count(device), max_splits,
                 self.min_split_tokens, self.decode_block_n,
             )  # fmt: skip
         else:
@@ -138,7 +150,7 @@ class TritonBackend(AttentionBackend):
             seq_lens=parts[3],
             extend_starts=parts[4],
             num_splits=parts[5],
-            max_splits=self.max_kv_splits,
+            max_splits=max_splits,
             block_batch=parts[6],
             block_qstart=parts[7],
             block_m=block_m,

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels import cdiv
+
 # Columns per program; wider intermediate sizes spread over grid axis 1.
 _MAX_BLOCK = 1024
 
@@ -37,10 +39,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x2.reshape(-1, two_i)  # a view for the usual contiguous [T, 2I] input
     out2 = out.view(-1, inter)
     block = min(triton.next_power_of_2(inter), _MAX_BLOCK)
-    grid = (x2.shape[0], _cdiv(inter, block))
+    grid = (x2.shape[0], cdiv(inter, block))
     _silu_and_mul_kernel[grid](x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block)
     return out
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a JIT function: slow to call from Python

@@ -241,18 +241,27 @@ def decode_attention(
     hk = k_cache.shape[1]
     group = hq // hk
     block_d = _head_block(d)
-    mid_o = torch.empty(bsz, hq, max_splits, d, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    if max_splits == 1:
+        # No row is split (a big batch fills the GPU): each program's result is final, so
+        # it is written straight into the output and the reduction kernel is skipped.
+        mid_o, mo_strides = out, (out.stride(0), out.stride(1), 0)
+        mid_lse = torch.empty(bsz, hq, 1, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = torch.empty(bsz, hq, max_splits, d, dtype=torch.float32, device=q.device)
+        mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+        mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hk, max_splits)](
         q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, mid_o, mid_lse,
         sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, **_dot_mode(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
+    if max_splits == 1:
+        return out.view(bsz, hq * d)
     _decode_reduce_kernel[(bsz, hq)](
         mid_o, mid_lse, num_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

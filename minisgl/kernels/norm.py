@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels import cdiv
+
 # Elements one program covers: short rows (q/k norm over head_dim) are packed several to a
 # program so each one still moves a useful amount of data.
 _TILE = 2048
@@ -104,7 +106,7 @@ def _launch(
     # Depends on the row width only, so one compiled variant serves every batch size.
     block_m = max(1, _TILE // block_n)
     num_warps = min(16, max(4, block_m * block_n // 1024))
-    grid = (_cdiv(n_rows, block_m),)
+    grid = (cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
         xk, rk, weight, out, res_out if res_out is not None else out,
         n_rows, d, heads, sxt, sxh, srt, srh, eps,
@@ -127,7 +129,3 @@ def fused_add_rms_norm(
     out, res_out = _launch(x, residual, weight, eps)
     assert res_out is not None
     return out, res_out
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a JIT function: slow to call from Python

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels import cdiv
+
 # Elements of one token's K (or V) row handled by one program; wider rows use more programs
 # along grid axis 1, so any Hk * D works without huge register tiles.
 _MAX_BLOCK = 1024
@@ -62,7 +64,7 @@ def store_kv(
     k, v = _flat_rows(k), _flat_rows(v)
     row = hk * d
     block = min(triton.next_power_of_2(row), _MAX_BLOCK)
-    grid = (num_tokens, _cdiv(row, block))
+    grid = (num_tokens, cdiv(row, block))
     _store_kv_kernel[grid](
         k,
         v,
@@ -76,7 +78,3 @@ def store_kv(
         BLOCK=block,
         num_warps=4,
     )
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a JIT function: slow to call from Python

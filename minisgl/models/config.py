@@ -102,7 +102,9 @@ class ModelConfig:
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             max_position=max_pos,
             rope=_rope_config(text, max_pos),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            tie_word_embeddings=bool(
+                d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            ),
             attention_bias=is_qwen2 or attn_bias,
             o_bias=attn_bias and not is_qwen2 and not is_qwen3,
             mlp_bias=bool(text.get("mlp_bias", False)),
@@ -111,7 +113,8 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=text.get("bos_token_id"),
             torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or "float32"),
-            num_experts=int(text.get("num_experts", 0) or 0),
+            # transformers 5 saves the expert count as "num_local_experts" only.
+            num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
             num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0),
             moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from minisgl.layers.moe import ALL_EXPERTS
+
 # checkpoint sub-name -> (our parameter sub-name, shard index inside the merged parameter)
 _MERGED = {
     "q_proj": ("qkv_proj", 0),
@@ -25,6 +27,11 @@ _MERGED = {
 }
 _MERGED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 _SKIP_RE = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|masked_bias")
+# MoE experts (layers/moe.py packs them): one tensor per expert and projection as in
+# Qwen3-MoE hub checkpoints and transformers' default save, or transformers 5's packed
+# [E, 2I, H] gate_up_proj / [E, H, I] down_proj (save_pretrained(save_original_format=False)).
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PACKED_EXPERTS_RE = re.compile(r"\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
 
 
 def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -63,7 +70,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             loader(param, tensor, shard)
         else:
             if param.shape != tensor.shape:
-                raise ValueError(f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}")
+                raise ValueError(
+                    f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
+                )
             param.data.copy_(tensor)
         loaded.add(f"{target}#{shard}")
         del tensor
@@ -71,10 +80,15 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     if tied:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
-        raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+        raise ValueError(
+            f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}"
+        )
 
 
 def _map_name(name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, int]:
+    expert = _map_expert(name)
+    if expert is not None:
+        return (expert[0] if expert[0] in params else None), expert[1]
     m = _MERGED_RE.search(name)
     if m:
         ours, shard = _MERGED[m.group(1)]
@@ -83,6 +97,20 @@ def _map_name(name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, i
     if name in params:
         return name, 0
     return None, 0
+
+
+def _map_expert(name: str) -> tuple[str, int] | None:
+    m = _EXPERT_RE.search(name)
+    if m:
+        e, proj = int(m.group(1)), m.group(2)
+        base = name[: m.start()]
+        if proj == "down_proj":
+            return f"{base}.w2", e
+        return f"{base}.w13", 2 * e + (proj == "up_proj")
+    m = _PACKED_EXPERTS_RE.search(name)
+    if m:
+        return f"{name[: m.start()]}.{'w13' if m.group(1) == 'gate_up_proj' else 'w2'}", ALL_EXPERTS
+    return None
 
 
 @torch.no_grad()

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.base import BatchLayout
-from minisgl.engine.engine import Engine
-from minisgl.engine.engine import SampleResult
+from minisgl.engine.engine import Engine, SampleResult
 from minisgl.engine.sampler import SamplingBatch
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.kv_manager import KVManager, ranges
@@ -79,7 +78,13 @@ class Scheduler:
         self.context_length = engine.context_length
         self.prefill_tokens = 0  # tokens computed in prefill (for prefix-cache savings)
         # Where host time goes: benchmarks print these to tell CPU- from GPU-bound runs.
-        self.stats = {"steps": 0, "decode_steps": 0, "launch_s": 0.0, "wait_s": 0.0, "process_s": 0.0}
+        self.stats = {
+            "steps": 0,
+            "decode_steps": 0,
+            "launch_s": 0.0,
+            "wait_s": 0.0,
+            "process_s": 0.0,
+        }
         self.num_retractions = 0
 
     # ------------------------------------------------------------ requests

@@ -49,12 +49,15 @@ def _retracted(s: Scheduler, victim: Req) -> None:
 
 
 @pytest.mark.parametrize(
-    "phase", [_waiting, _mid_chunked_prefill, _decoding, _finishing_step, _retracted],
+    "phase",
+    [_waiting, _mid_chunked_prefill, _decoding, _finishing_step, _retracted],
     ids=lambda f: f.__name__.strip("_"),
 )
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_abort_frees_once(tiny_models: dict[str, Path], phase: Callable, overlap: bool, page_size: int) -> None:
+def test_abort_frees_once(
+    tiny_models: dict[str, Path], phase: Callable, overlap: bool, page_size: int
+) -> None:
     llm = LLM(str(tiny_models["llama"]), chunked_prefill_size=16, page_size=page_size)
     reference = llm.generate([OTHER], GREEDY)[0]["token_ids"]
     s = llm.scheduler

@@ -22,19 +22,28 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
             body = system + [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))]
         prompts.append(body)
     prompts.append(list(prompts[1]))  # an exact repeat
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(5, 40), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(5, 40), ignore_eos=True)
+        for _ in prompts
+    ]
     return prompts, params
 
 
-BASE = dict(page_size=1, cache="radix", chunked_prefill_size=8192, schedule_policy="fcfs", num_pages=4096)
+BASE = dict(
+    page_size=1, cache="radix", chunked_prefill_size=8192, schedule_policy="fcfs", num_pages=4096
+)
 VARIANTS = {
     "naive": dict(cache="naive"),
     "chunk16": dict(chunked_prefill_size=16),
     "page16": dict(page_size=16, num_pages=256),
-    "page16-chunk16-lpm": dict(page_size=16, num_pages=256, chunked_prefill_size=16, schedule_policy="lpm"),
+    "page16-chunk16-lpm": dict(
+        page_size=16, num_pages=256, chunked_prefill_size=16, schedule_policy="lpm"
+    ),
     "no-mixed": dict(disable_mixed_batch=True, chunked_prefill_size=64),
     "small-pool": dict(num_pages=260, max_running_requests=6, init_new_token_ratio=0.05),
-    "small-pool-page4": dict(num_pages=70, page_size=4, chunked_prefill_size=32, init_new_token_ratio=0.05),
+    "small-pool-page4": dict(
+        num_pages=70, page_size=4, chunked_prefill_size=32, init_new_token_ratio=0.05
+    ),
     "lpm": dict(schedule_policy="lpm"),
     "naive-small-pool-nomixed": dict(
         cache="naive", num_pages=200, disable_mixed_batch=True, init_new_token_ratio=0.05
@@ -42,10 +51,15 @@ VARIANTS = {
     # Overlap scheduling (results processed one step late) forced on, also on CPU.
     "overlap": dict(overlap=True),
     "overlap-small-pool-chunk16": dict(
-        overlap=True, num_pages=260, max_running_requests=6, init_new_token_ratio=0.05,
+        overlap=True,
+        num_pages=260,
+        max_running_requests=6,
+        init_new_token_ratio=0.05,
         chunked_prefill_size=16,
     ),
-    "overlap-page16-nomixed": dict(overlap=True, page_size=16, num_pages=256, disable_mixed_batch=True),
+    "overlap-page16-nomixed": dict(
+        overlap=True, page_size=16, num_pages=256, disable_mixed_batch=True
+    ),
 }
 
 
@@ -57,7 +71,9 @@ def reference(tiny_models: dict[str, Path]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
-def test_outputs_identical(tiny_models: dict[str, Path], reference: list[list[int]], name: str) -> None:
+def test_outputs_identical(
+    tiny_models: dict[str, Path], reference: list[list[int]], name: str
+) -> None:
     prompts, params = _workload()
     options = {**BASE, **VARIANTS[name]}
     overlap = bool(options.pop("overlap", False))

@@ -1,0 +1,247 @@
+"""Fused mixture-of-experts for CUDA: block alignment plus a grouped GEMM in Triton.
+
+The T x top_k (token, expert) pairs are sorted by expert and each expert's run is padded to
+a multiple of BLOCK_M ("align"), so every M-block of the grouped GEMM belongs to exactly one
+expert and reads that expert's weight tile. Two launches of one kernel then do the work:
+
+  gate_up: x[pair // top_k] @ w13[e].T -> silu(gate) * up  (fused, [P, I] written once)
+  down:    act[pair] @ w2[e].T * routing_weight[pair]       ([P, H])
+
+and a torch sum over top_k combines the pairs. Nothing reads a device value on the host, so
+decode steps can be captured in CUDA graphs: launch grids are sized from the worst-case
+padding (a function of T alone) and blocks past the real padded length exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weight_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    num_pairs,
+    n_out,
+    k_dim,
+    up_offset,
+    num_pid_m,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    A_ROW_DIV: tl.constexpr,
+    FUSE_SILU: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """C[pair, n] = A[pair // A_ROW_DIV] @ B[expert].T for the pairs of one aligned block.
+
+    B is [E, N_total, K]; with FUSE_SILU the program also computes the "up" columns
+    ``up_offset`` rows further down B and stores silu(gate) * up.
+    """
+    # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N
+    # blocks together, so an expert's weight tiles are reused from L2.
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(n_out, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # past the last real block: the grid is sized for the worst case
+
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = pair < num_pairs  # padding slots hold num_pairs
+    a_row = pair // A_ROW_DIV
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless FUSE_SILU
+    for k0 in range(0, k_dim, BLOCK_K):
+        k_ok = offs_k < k_dim - k0
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if FUSE_SILU:
+            b_up = tl.load(
+                b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0
+            )
+            if UPCAST:
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Round where the torch reference rounds (each matmul output, silu, then the product),
+    # so 16-bit results agree with it to the last bit or so.
+    out_ty = c_ptr.dtype.element_ty
+    if FUSE_SILU:
+        gate = acc.to(out_ty).to(tl.float32)
+        up = acc_up.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        res = act * up
+    else:
+        res = acc
+    if MUL_WEIGHT:
+        w = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+        res = res.to(out_ty).to(tl.float32) * w[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, res.to(out_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+_INTERPRETED = type(_moe_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case length after padding each expert's run to ``block_m``; at most
+    min(E, P) experts are non-empty, each wasting at most block_m - 1 slots."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the flattened (token, k) pairs by expert, each run padded to ``block_m``.
+
+    Returns ``sorted_pairs`` [max_padded] int32 (pair index t * top_k + k, or P for padding),
+    ``block_expert`` [max_padded / block_m] int32 (expert of each block; 0 for unused
+    blocks, which the kernel skips) and ``num_padded`` [1] int32 (real padded length).
+    Plain torch ops without host syncs: scatter_add_ rather than bincount (which reads the
+    max on the host), a stable sort, and index writes with tensor indices.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    dev = flat.device
+    max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    count_start = torch.cumsum(counts, 0) - counts
+
+    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in pair order
+    expert_of = flat[order]
+    rank = torch.arange(num_pairs, device=dev) - count_start[expert_of]
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=dev)
+    sorted_pairs[padded_start[expert_of] + rank] = order.to(torch.int32)
+
+    block_starts = torch.arange(0, max_padded, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, block_starts, right=True)
+    block_expert = block_expert.clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_expert, padded_end[-1:].to(torch.int32)
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    # Expected pairs per expert decides how much of a block is padding: small blocks for
+    # decode (a handful of tokens per expert), larger ones for prefill.
+    per_expert = num_pairs / num_experts
+    if per_expert <= 16:
+        return 16
+    return 32 if per_expert <= 64 else 64
+
+
+def _launch_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights: torch.Tensor | None,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    block_m: int,
+    a_row_div: int,
+    fuse_silu: bool,
+) -> None:
+    sorted_pairs, block_expert, num_padded = align
+    n_out, k_dim = c.shape[1], b.shape[2]
+    block_n = 64 if n_out >= 64 else max(16, triton.next_power_of_2(n_out))
+    block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
+    if a.dtype == torch.float32 and not _INTERPRETED:
+        block_k = min(block_k, 32)  # fp32 tiles double the shared memory per stage
+    num_pid_m = block_expert.numel()
+    grid = (num_pid_m * triton.cdiv(n_out, block_n),)
+    # fp32 would otherwise run on TF32 tensor cores (~1e-3 error); 16-bit ignores the flag.
+    # Triton's interpreter multiplies the raw bits of bf16 tl.dot operands: upcast there.
+    upcast = _INTERPRETED and a.dtype != torch.float32
+    _moe_gemm_kernel[grid](
+        a,
+        b,
+        c,
+        weights if weights is not None else c,
+        sorted_pairs,
+        block_expert,
+        num_padded,
+        c.shape[0],
+        n_out,
+        k_dim,
+        n_out,  # up rows of w13 follow the n_out gate rows (local shard: [gate; up])
+        num_pid_m,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        c.stride(0),
+        c.stride(1),
+        A_ROW_DIV=a_row_div,
+        FUSE_SILU=fuse_silu,
+        MUL_WEIGHT=weights is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=8,
+        DOT_PREC="ieee" if upcast or a.dtype == torch.float32 else "tf32",
+        UPCAST=upcast,
+        num_warps=4,
+        num_stages=2 if a.dtype == torch.float32 else 3,
+    )
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_* [T, K]
+    -> sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) as [T, H] in x's dtype."""
+    tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m = _block_m(num_pairs, num_experts)
+    align = moe_align_block_size(topk_ids, num_experts, block_m)
+    act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+    _launch_gemm(x, w13, act, None, align, block_m, top_k, fuse_silu=True)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(x.dtype)
+    _launch_gemm(act, w2, out, weights, align, block_m, 1, fuse_silu=False)
+    return out.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,291 @@
+"""Qwen3-MoE: tiny random models equal transformers; the Triton MoE equals the torch reference.
+
+Kernel checks need TRITON_INTERPRET=1 before triton's first import, so they run in one
+child process (this file run as a script prints a JSON verdict per check), as in
+test_fused_ops.py. tests/gpu/test_moe_gpu.py runs the same checks on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.distributed import TPInfo
+from minisgl.layers.moe import SparseMoE, moe_reference, select_experts
+from minisgl.models.config import ModelConfig
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# Half precision: a few ulps of the output scale (the interpreter also truncates bf16 casts).
+TOL = {F32: (1e-5, 1e-5), F16: (4e-3, 4e-3), BF16: (4e-2, 4e-2)}
+PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3] * 21, list(range(40, 73))]
+N_NEW = 24
+
+
+class Skip(Exception):
+    """Raised by a check that cannot run on this device."""
+
+
+def moe_case(
+    t: int, e: int, k: int, h: int, i: int, dtype: torch.dtype, device: torch.device, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """x [t, h], w13 [e, 2i, h], w2 [e, h, i], routing weights and ids [t, k]; unit-scale out."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    w2 = torch.randn(e, h, i, generator=g) / i**0.5
+    weights, ids = select_experts(torch.randn(t, e, generator=g), k, renormalize=seed % 2 == 0)
+    x, w13, w2, weights = (z.to(dtype).to(device) for z in (x, w13, w2, weights))
+    return x, w13, w2, weights, ids.to(device)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=atol, rtol=rtol)
+
+
+# ---- kernel checks: each takes the device and raises on mismatch ----
+
+
+def check_align_block_size(device: torch.device) -> None:
+    from minisgl.kernels.moe import max_padded_pairs, moe_align_block_size
+
+    g = torch.Generator().manual_seed(0)
+    for t, e, k, bm in ((7, 8, 2, 16), (50, 4, 2, 64), (1, 64, 8, 16), (0, 8, 2, 16)):
+        ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k]  # k distinct experts
+        sorted_pairs, block_expert, num_padded = moe_align_block_size(ids.to(device), e, bm)
+        sorted_pairs, block_expert = sorted_pairs.cpu().long(), block_expert.cpu().long()
+        pairs, flat = t * k, ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=e)
+        n = int(num_padded.item())
+        assert n == int(((counts + bm - 1) // bm * bm).sum())
+        assert sorted_pairs.numel() == max_padded_pairs(pairs, e, bm) >= n
+        assert (sorted_pairs[n:] == pairs).all(), "slots past the padded length must be padding"
+        real = sorted_pairs[:n][sorted_pairs[:n] < pairs]
+        assert real.tolist() == torch.sort(flat, stable=True).indices.tolist()
+        for b in range(n // bm):
+            blk = sorted_pairs[b * bm : (b + 1) * bm]
+            blk = blk[blk < pairs]
+            assert blk.numel() > 0, "a block below the padded length must hold a real pair"
+            assert (flat[blk] == block_expert[b]).all()
+
+
+def check_fused_matches_reference(device: torch.device) -> None:
+    from minisgl.kernels.moe import fused_moe
+
+    # (tokens, experts, top_k, hidden, moe_intermediate): decode-sized, odd sizes, a
+    # non-power-of-two intermediate, and enough pairs per expert for 32/64-row blocks.
+    shapes = [(1, 8, 2, 64, 32), (37, 8, 2, 96, 48), (5, 16, 4, 64, 80), (300, 4, 2, 64, 32)]
+    for dtype in (F32, BF16, F16):
+        for seed, shape in enumerate(shapes):
+            x, w13, w2, w, ids = moe_case(*shape, dtype=dtype, device=device, seed=seed)
+            ref = moe_reference(x.cpu(), w13.cpu(), w2.cpu(), w.cpu(), ids.cpu())
+            _close(fused_moe(x, w13, w2, w, ids), ref, dtype)
+
+
+def check_fused_edge_cases(device: torch.device) -> None:
+    from minisgl.kernels.moe import fused_moe
+
+    x, w13, w2, w, ids = moe_case(9, 8, 2, 64, 32, F32, device, seed=3)
+    # Every token on the same two experts: one long padded run, six empty experts.
+    ids = torch.tensor([[5, 2]] * 9, device=device)
+    ref = moe_reference(x.cpu(), w13.cpu(), w2.cpu(), w.cpu(), ids.cpu())
+    _close(fused_moe(x, w13, w2, w, ids), ref, F32)
+    # Rows of a wider buffer (row stride != hidden).
+    wide = torch.randn(9, 80, generator=torch.Generator().manual_seed(4)).to(device)
+    xs = wide[:, :64]
+    ref = moe_reference(xs.cpu(), w13.cpu(), w2.cpu(), w.cpu(), ids.cpu())
+    _close(fused_moe(xs, w13, w2, w, ids), ref, F32)
+    empty = fused_moe(x[:0], w13, w2, w[:0], ids[:0])
+    assert empty.shape == (0, 64)
+
+
+def check_fused_no_host_sync(device: torch.device) -> None:
+    """The CUDA path must be capturable in CUDA graphs: no device-to-host reads."""
+    if device.type != "cuda":
+        raise Skip("host syncs can only be detected on CUDA")
+    from minisgl.kernels.moe import fused_moe
+
+    args = moe_case(16, 8, 2, 64, 32, BF16, device, seed=5)
+    fused_moe(*args)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fused_moe(*args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+CHECKS: dict[str, Callable[[torch.device], None]] = {
+    name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_")
+}
+
+
+def run_checks(device: torch.device) -> dict[str, str]:
+    results = {}
+    for name, fn in CHECKS.items():
+        try:
+            fn(device)
+            results[name] = "passed"
+        except Skip as e:
+            results[name] = f"skipped: {e}"
+        except Exception:
+            results[name] = "failed: " + traceback.format_exc()
+    return results
+
+
+@functools.cache
+def _interpreter_results() -> dict[str, str]:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        msg = f"child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        return dict.fromkeys(CHECKS, "failed: " + msg)
+    return json.loads(lines[-1])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_kernel_interpreted(name: str) -> None:
+    outcome = _interpreter_results()[name]
+    if outcome.startswith("skipped: "):
+        pytest.skip(outcome.removeprefix("skipped: "))
+    assert outcome == "passed", outcome
+
+
+# ---- the layer and whole models against transformers ----
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("norm", [True, False])
+def test_sparse_moe_block_matches_hf(dtype: torch.dtype, norm: bool) -> None:
+    import transformers as tf
+
+    hf_cfg = tf.Qwen3MoeConfig(
+        hidden_size=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=norm,
+    )
+    torch.manual_seed(0)
+    block = tf.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(hf_cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.1)
+    cfg = ModelConfig.from_dict(
+        {**hf_cfg.to_dict(), "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}
+    )
+    ours = SparseMoE(cfg, TPInfo())
+    ours.gate.weight.data.copy_(block.gate.weight)
+    ours.w13.data.copy_(block.experts.gate_up_proj)
+    ours.w2.data.copy_(block.experts.down_proj)
+    x = torch.randn(1, 40, 64, generator=torch.Generator().manual_seed(1))
+    block, ours, x = block.to(dtype), ours.to(dtype), x.to(dtype)
+    with torch.no_grad():
+        _close(ours(x[0]), block(x)[0], dtype)
+
+
+def _build(path: Path, tp: TPInfo) -> torch.nn.Module:
+    from minisgl.models.loader import iter_safetensors, load_weights
+    from minisgl.models.registry import build_model
+
+    cfg = ModelConfig.from_dir(path)
+    with torch.device("cpu"):
+        model = build_model(cfg, tp, cfg.max_position)
+    load_weights(model, iter_safetensors(path, torch.device("cpu")))
+    return model
+
+
+def _save_packed(src: Path, dst: Path) -> Path:
+    """Re-save with transformers 5's packed expert tensors instead of one per expert."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(dst, save_original_format=False)
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, dst / f.name)
+    shutil.copy(src / "config.json", dst / "config.json")  # keeps "num_experts"
+    return dst
+
+
+@pytest.fixture(scope="module")
+def moe_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    from tests.helpers import make_tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    per_expert = make_tiny_model(root / "per_expert", "qwen3_moe", seed=2)
+    packed = _save_packed(per_expert, root / "packed")
+    with safe_open(str(per_expert / "model.safetensors"), "pt") as f:
+        assert "model.layers.1.mlp.experts.7.down_proj.weight" in f.keys()  # noqa: SIM118
+    with safe_open(str(packed / "model.safetensors"), "pt") as f:
+        assert "model.layers.1.mlp.experts.gate_up_proj" in f.keys()  # noqa: SIM118
+    return {"per_expert": per_expert, "packed": packed}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"mlp_only_layers": [], "decoder_sparse_step": 2, "norm_topk_prob": False}],
+    ids=["mlp_only_layers-normed", "sparse_step2-unnormed"],
+)
+def test_greedy_matches_hf(tmp_path: Path, overrides: dict) -> None:
+    from minisgl import LLM, SamplingParams
+    from tests.conftest import assert_engine_clean
+    from tests.helpers import hf_greedy, make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "qwen3_moe", seed=1, **overrides)
+    ref_tokens, ref_logprobs = hf_greedy(path, PROMPTS, N_NEW)
+    llm = LLM(str(path))
+    layers = llm.engine.model.model.layers  # type: ignore[attr-defined]
+    assert [type(layer.mlp).__name__ for layer in layers] == ["GatedMLP", "SparseMoE"]
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=True)
+    for res, toks, lps in zip(llm.generate(PROMPTS, params), ref_tokens, ref_logprobs, strict=True):
+        assert res["token_ids"] == toks
+        assert max(abs(a - b) for a, b in zip(res["logprobs"], lps, strict=True)) < 1e-4
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("fmt", ["per_expert", "packed"])
+def test_tp_shards_concatenate_to_full(moe_ckpts: dict[str, Path], fmt: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_ckpts[fmt]).model.layers[1].mlp
+    full_w13, full_w2 = hf.experts.gate_up_proj.data, hf.experts.down_proj.data
+    full = _build(moe_ckpts[fmt], TPInfo()).model.layers[1].mlp
+    assert torch.equal(full.w13, full_w13) and torch.equal(full.w2, full_w2)
+    shards = [_build(moe_ckpts[fmt], TPInfo(rank=r, size=2)).model.layers[1].mlp for r in (0, 1)]
+    li = full_w2.shape[2] // 2
+    assert all(s.w13.shape == (8, 2 * li, 64) and s.w2.shape == (8, 64, li) for s in shards)
+    gate = torch.cat([s.w13[:, :li] for s in shards], dim=1)
+    up = torch.cat([s.w13[:, li:] for s in shards], dim=1)
+    assert torch.equal(torch.cat([gate, up], dim=1), full_w13)
+    assert torch.equal(torch.cat([s.w2 for s in shards], dim=2), full_w2)
+    for s in shards:  # the router is replicated
+        assert torch.equal(s.gate.weight, hf.gate.weight)
+
+
+def test_config_reads_transformers5_expert_count(moe_ckpts: dict[str, Path]) -> None:
+    # transformers 5's save_pretrained writes the count as "num_local_experts" only.
+    d = json.loads((moe_ckpts["per_expert"] / "config.json").read_text())
+    d.pop("num_experts", None)
+    assert d["num_local_experts"] == 8
+    assert ModelConfig.from_dict(d).num_experts == 8
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(run_checks(torch.device("cpu"))))
