@@ -138,7 +138,11 @@ class TritonBackend(AttentionBackend):
                     block_qstart.append(q0)
         # One host-to-device copy for every index the kernels need.
         fields = [layout.req_rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
-        flat = torch.tensor([x for f in fields for x in f], dtype=torch.int32).to(device)
+        flat = torch.tensor([x for f in fields for x in f], dtype=torch.int32)
+        if device.type == "cuda":
+            # Pinned + non_blocking: a pageable copy would wait for the batch in flight and
+            # undo overlap scheduling.
+            flat = flat.pin_memory().to(device, non_blocking=True)
         parts = flat.split([len(f) for f in fields])
         return TritonMetadata(
             is_decode=is_decode,
