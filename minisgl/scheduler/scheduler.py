@@ -7,6 +7,7 @@ runs it through the engine, and turns sampled tokens into request progress.
 from __future__ import annotations
 
 import itertools
+import os
 import logging
 import random
 import time
@@ -55,7 +56,7 @@ class Scheduler:
         # Overlap pays off only when the device runs asynchronously; on CPU it can be forced
         # (tests do, to check the one-step-late bookkeeping).
         if overlap is None:
-            overlap = engine.device.type == "cuda" and not cfg.disable_overlap_scheduling
+            overlap = overlap_default(engine.device.type, cfg.disable_overlap_scheduling)
         self.overlap = overlap
         self.inflight: _InFlight | None = None
         self.config = cfg
@@ -401,6 +402,12 @@ class Scheduler:
             return False
         self.kv.cache.reset()
         return True
+
+
+def overlap_default(device_type: str, disabled: bool) -> bool:
+    """Overlap on CUDA unless switched off by the flag or MINISGL_DISABLE_OVERLAP_SCHEDULING."""
+    env = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "").strip().lower()
+    return device_type == "cuda" and not disabled and env not in ("1", "true", "yes", "on")
 
 
 def _uses_penalties(req: Req) -> bool:

@@ -77,3 +77,14 @@ def test_abort_frees_once(
     # The engine keeps serving after the abort.
     assert llm.generate([OTHER], GREEDY)[0]["token_ids"] == reference
     assert_engine_clean(llm)
+
+
+def test_overlap_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl.scheduler.scheduler import overlap_default
+
+    monkeypatch.delenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", raising=False)
+    assert overlap_default("cuda", False)
+    assert not overlap_default("cuda", True)
+    assert not overlap_default("cpu", False)
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "1")
+    assert not overlap_default("cuda", False)
