@@ -29,29 +29,86 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # None = auto; 0 disables CUDA graphs
     disable_overlap_scheduling: bool = False
     tp_size: int = 1
+    # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
+    # and is the only one that serves HTTP. dist_init_addr is rank 0's host:port for the
+    # rendezvous (default on one node: 127.0.0.1 and a free port).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     init_new_token_ratio: float = 0.7  # admission: expected share of max_tokens still to come
     min_new_token_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "page_size", self.page_size, "must be >= 1")
         _check(self.num_pages is None or self.num_pages >= 2, "num_pages", self.num_pages, ">= 2")
-        _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests, ">= 1")
-        _check(self.chunked_prefill_size >= 1, "chunked_prefill_size", self.chunked_prefill_size, ">= 1")
+        _check(
+            self.max_running_requests >= 1,
+            "max_running_requests",
+            self.max_running_requests,
+            ">= 1",
+        )
+        _check(
+            self.chunked_prefill_size >= 1,
+            "chunked_prefill_size",
+            self.chunked_prefill_size,
+            ">= 1",
+        )
         _check(self.cache in ("radix", "naive"), "cache", self.cache, "radix or naive")
-        _check(self.schedule_policy in ("fcfs", "lpm"), "schedule_policy", self.schedule_policy, "fcfs or lpm")
+        _check(
+            self.schedule_policy in ("fcfs", "lpm"),
+            "schedule_policy",
+            self.schedule_policy,
+            "fcfs or lpm",
+        )
         _check(
             self.load_format in ("auto", "safetensors", "gguf", "dummy"),
-            "load_format", self.load_format, "auto, safetensors, gguf or dummy",
+            "load_format",
+            self.load_format,
+            "auto, safetensors, gguf or dummy",
         )
         _check(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            "dtype", self.dtype, "auto, float32, bfloat16 or float16",
+            "dtype",
+            self.dtype,
+            "auto, float32, bfloat16 or float16",
         )
         _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
-        _check(0.0 < self.mem_fraction_static < 1.0, "mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
+        _check(self.nnodes >= 1, "nnodes", self.nnodes, ">= 1")
+        _check(
+            self.tp_size % self.nnodes == 0,
+            "nnodes",
+            self.nnodes,
+            f"must divide tp_size={self.tp_size}",
+        )
+        _check(
+            0 <= self.node_rank < self.nnodes,
+            "node_rank",
+            self.node_rank,
+            f"in [0, nnodes={self.nnodes})",
+        )
+        _check(
+            self.dist_init_addr is None or _host_port_ok(self.dist_init_addr),
+            "dist_init_addr",
+            self.dist_init_addr,
+            "host:port with a port in 1..65535",
+        )
+        _check(
+            self.nnodes == 1 or self.dist_init_addr is not None,
+            "dist_init_addr",
+            self.dist_init_addr,
+            "required (rank 0's host:port) when nnodes > 1",
+        )
+        _check(
+            0.0 < self.mem_fraction_static < 1.0,
+            "mem_fraction_static",
+            self.mem_fraction_static,
+            "in (0, 1)",
+        )
         _check(
             self.context_length is None or self.context_length >= 2,
-            "context_length", self.context_length, ">= 2",
+            "context_length",
+            self.context_length,
+            ">= 2",
         )
 
     @classmethod
@@ -61,6 +118,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}")
         return cls(**kwargs)
+
+
+def _host_port_ok(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host.strip("[]") and port.isdigit() and 1 <= int(port) <= 65535)
 
 
 def _check(ok: bool, name: str, value: Any, want: str) -> None:

@@ -3,15 +3,21 @@
     from minisgl import LLM, SamplingParams
     llm = LLM()                      # bundled SmolLM2-135M-Instruct
     llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+Tensor parallelism: ``LLM(model, tp_size=N)`` makes this process rank 0 and spawns ranks
+1..N-1 (see minisgl/distributed/); every scheduler call is mirrored to them, and they exit on
+``close()`` (or ``with LLM(...) as llm:``, or garbage collection, or when this process dies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from minisgl.config import EngineConfig
-from minisgl.engine.engine import Engine
+from minisgl.distributed import TPInfo
+from minisgl.engine.engine import Engine, pick_device
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
@@ -22,10 +28,64 @@ Prompt = str | Sequence[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **options)
-        self.engine = Engine(self.config)
-        self.tokenizer = load_tokenizer(self.engine.resolved, self.config.tokenizer)
-        self.scheduler = Scheduler(self.engine, decode=self._decode)
+        config = EngineConfig.from_kwargs(model=model, **options)
+        self._tp_teardown: Callable[[], None] | None = None
+        if config.tp_size == 1:
+            self.config = config
+            self.engine = Engine(config)
+            self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
+            self.scheduler: Any = Scheduler(self.engine, decode=self._decode)
+        else:
+            self._start_tp(config)
+
+    def _start_tp(self, config: EngineConfig) -> None:
+        import torch.distributed
+
+        from minisgl.distributed.channel import EventChannel
+        from minisgl.distributed.group import init_tp_group, rank_device
+        from minisgl.distributed.launch import spawn_followers
+        from minisgl.distributed.mirror import MirroredScheduler
+        from minisgl.distributed.topology import with_init_addr
+
+        if config.node_rank != 0:
+            raise ValueError(
+                "LLM(...) is rank 0 and runs on node 0; start the other nodes with "
+                "`python -m minisgl.distributed.launch --node-rank K ...`"
+            )
+        if torch.distributed.is_initialized():
+            raise RuntimeError("this process is already in a TP run: close() that LLM first")
+        self.config = config = with_init_addr(config)
+        tp = TPInfo(0, config.tp_size)
+        device = rank_device(config, tp, pick_device(config.device))  # fail before spawning
+        self.followers = followers = spawn_followers(config)
+        holder: dict[str, Any] = {}
+        # A finalizer, not __del__: it runs once, at close(), at garbage collection or at
+        # interpreter exit, and holds nothing that keeps this LLM alive.
+        self._tp_teardown = weakref.finalize(self, _stop_tp, holder, followers)
+        try:
+            # Joined here rather than in Engine so that a rank dying at startup fails us now.
+            init_tp_group(config, tp, device, check=followers.check)
+            self.engine = Engine(config, tp)
+            self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
+            channel = EventChannel(tp)
+            channel.handshake("offline")
+        except BaseException:
+            self.close()
+            raise
+        self.scheduler = holder["mirror"] = MirroredScheduler(
+            Scheduler(self.engine, decode=_decoder(self.tokenizer)), channel
+        )
+
+    def close(self) -> None:
+        """Stop the TP ranks and leave the process group (a no-op with one rank). Idempotent."""
+        if self._tp_teardown is not None:
+            self._tp_teardown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -68,10 +128,11 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             self.scheduler.check_prompt(ids)
-        reqs: list[Req] = []
-        for ids, p in zip(encoded, params):
-            for _ in range(p.n):
-                reqs.append(self.scheduler.add_request(ids, p))
+        items = [(ids, p) for ids, p in zip(encoded, params, strict=True) for _ in range(p.n)]
+        if self._tp_teardown is not None:
+            reqs: list[Req] = self.scheduler.add_requests(items)  # one message to the ranks
+        else:
+            reqs = [self.scheduler.add_request(ids, p) for ids, p in items]
         self._run(reqs, use_tqdm if use_tqdm is not None else len(reqs) >= 8)
         return [self._result(r) for r in reqs]
 
@@ -90,7 +151,9 @@ class LLM:
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return [int(t) for t in ids]
@@ -138,4 +201,33 @@ class LLM:
             out["logprobs"] = list(req.output_logprobs)
         if p.top_logprobs:
             out["top_logprobs"] = [dict(t) for t in req.output_top_logprobs]
+        if p.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(req.prompt_logprobs)
+            if p.prompt_logprobs:
+                out["prompt_top_logprobs"] = [dict(t) for t in req.prompt_top_logprobs]
         return out
+
+
+def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`LLM._decode` as a closure over the tokenizer, not over the LLM: with TP the finalizer
+    holds the scheduler, which must not keep the LLM alive."""
+
+    def decode(ids: list[int]) -> str:
+        if tokenizer is None:
+            return ""
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+    return decode
+
+
+def _stop_tp(holder: dict[str, Any], followers: Any) -> None:
+    from minisgl.distributed.group import destroy_tp_group
+
+    mirror, stopped = holder.get("mirror"), False
+    try:
+        stopped = mirror is not None and mirror.stop()
+    finally:
+        # Told to stop, the ranks leave within moments; otherwise (startup failed, or a call
+        # failed part-way) they may wait in the rendezvous or a collective: stop them now.
+        followers.shutdown(grace_s=10.0 if stopped else 0.0)
+        destroy_tp_group()

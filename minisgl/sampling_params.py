@@ -38,6 +38,9 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # how many alternatives to return per position
+    # vLLM's meaning: None = off; k >= 0 = each prompt token's logprob plus k alternatives.
+    # Such a request skips the prefix cache (cached tokens have no logits to report).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
 
@@ -99,6 +102,13 @@ class SamplingParams:
             0 <= self.top_logprobs <= MAX_TOP_LOGPROBS
         ):
             raise _bad("top_logprobs", self.top_logprobs, f"in [0, {MAX_TOP_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int)
+            or not (0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS)
+        ):
+            raise _bad(
+                "prompt_logprobs", self.prompt_logprobs, f"None or in [0, {MAX_TOP_LOGPROBS}]"
+            )
         if not isinstance(self.n, int) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
         for s in self.stop_strings:

@@ -33,7 +33,9 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def init_process_group(tp: TPInfo, init_method: str, backend: str, timeout_s: float = 600.0) -> None:
+def init_process_group(
+    tp: TPInfo, init_method: str, backend: str, timeout_s: float = 600.0
+) -> None:
     if tp.size == 1 or dist.is_initialized():
         return
     import datetime

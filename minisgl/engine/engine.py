@@ -6,8 +6,8 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -212,6 +212,7 @@ class Engine:
         penalty_slots: torch.Tensor | None = None,
         from_device: list[tuple[int, int]] = (),  # type: ignore[assignment]
         sample_table_rows: list[int] = (),  # type: ignore[assignment]
+        prompt_lp: PromptLogprobRequest | None = None,
     ) -> SampleResult | None:
         """Run the model on a batch and sample for the rows in ``sample_rows``.
 
@@ -223,11 +224,21 @@ class Engine:
         logits_index = (
             ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
         )
+        if prompt_lp is not None:
+            # Prompt positions whose logits score the next prompt token ride along after
+            # the sampling rows' last tokens.
+            logits_index = torch.cat(
+                [logits_index, torch.tensor(prompt_lp.index, dtype=torch.long)]
+            )
         pos_dev, rows_dev = zip(*from_device) if from_device else ((), ())
         # Every index this step needs travels in one pinned buffer and one copy.
         parts = [
-            torch.tensor(input_ids, dtype=torch.long), positions, out_slots, logits_index,
-            torch.tensor(pos_dev, dtype=torch.long), torch.tensor(rows_dev, dtype=torch.long),
+            torch.tensor(input_ids, dtype=torch.long),
+            positions,
+            out_slots,
+            logits_index,
+            torch.tensor(pos_dev, dtype=torch.long),
+            torch.tensor(rows_dev, dtype=torch.long),
             torch.tensor(sample_table_rows, dtype=torch.long),
         ]
         ids, pos, slots, logits_idx, fd_pos, fd_rows, sample_rows_dev = self.to_device(
@@ -235,7 +246,11 @@ class Engine:
         ).split([len(t) for t in parts])
         if from_device:
             ids[fd_pos] = self.last_tokens[fd_rows]
-        if self.graph_runner is not None and self.graph_runner.can_run(layout):
+        if (
+            prompt_lp is None
+            and self.graph_runner is not None
+            and self.graph_runner.can_run(layout)
+        ):
             logits = self.graph_runner.run(layout, ids, pos, slots)
         else:
             batch = ForwardBatch(
@@ -247,15 +262,39 @@ class Engine:
                 logits_index=logits_idx,
             )
             logits = self.model(batch)
+        prompt_out: list[torch.Tensor | None] = [None, None, None]
+        if prompt_lp is not None:
+            n_sample = len(sample_rows)
+            prompt_out = _prompt_logprobs(logits[n_sample:], prompt_lp, self.device)
+            logits = logits[:n_sample]
         if not sample_rows or sampling is None:
-            return None
+            return SampleResult.start_copy(None, prompt_out) if prompt_lp is not None else None
         out = self.sampler.sample(
             logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots
         )
         self.last_tokens[sample_rows_dev] = out.next_tokens
         if penalty_slots is not None:
             self.penalties.add_tokens(penalty_slots, out.next_tokens)
-        return SampleResult.start_copy(out)
+        return SampleResult.start_copy(out, prompt_out)
+
+
+@dataclass(frozen=True)
+class PromptLogprobRequest:
+    index: list[int]  # flat token positions whose logits are scored
+    targets: list[int]  # the prompt token that follows each position
+    top_k: int  # alternatives to return per position (0 = only the prompt token's)
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, req: PromptLogprobRequest, device: torch.device
+) -> list[torch.Tensor | None]:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(req.targets, dtype=torch.long).to(device, non_blocking=True)
+    chosen = logp.gather(1, targets[:, None])[:, 0]
+    if req.top_k:
+        top = logp.topk(req.top_k, dim=-1)
+        return [chosen, top.indices, top.values]
+    return [chosen, None, None]
 
 
 @dataclass
@@ -264,6 +303,9 @@ class HostSamples:
     chosen_logprobs: list[float] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 class SampleResult:
@@ -274,9 +316,16 @@ class SampleResult:
         self.event = event
 
     @classmethod
-    def start_copy(cls, out: SampleOutput) -> SampleResult:
-        tensors = [out.next_tokens, out.chosen_logprobs, out.top_logprob_ids, out.top_logprobs]
-        if out.next_tokens.device.type != "cuda":
+    def start_copy(
+        cls, out: SampleOutput | None, prompt: list[torch.Tensor | None] | None = None
+    ) -> SampleResult:
+        tensors: list[torch.Tensor | None] = (
+            [out.next_tokens, out.chosen_logprobs, out.top_logprob_ids, out.top_logprobs]
+            if out is not None
+            else [None, None, None, None]
+        )
+        tensors += prompt or [None, None, None]
+        if not any(t is not None and t.device.type == "cuda" for t in tensors):
             return cls(tensors, None)
         host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
         event = torch.cuda.Event()
@@ -286,6 +335,5 @@ class SampleResult:
     def to_host(self) -> HostSamples:
         if self.event is not None:
             self.event.synchronize()
-        toks, lps, top_ids, top_lps = (t.tolist() if t is not None else None for t in self.tensors)
-        assert toks is not None
-        return HostSamples(toks, lps, top_ids, top_lps)
+        lists = [t.tolist() if t is not None else None for t in self.tensors]
+        return HostSamples(lists[0] or [], *lists[1:])

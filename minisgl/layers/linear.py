@@ -6,7 +6,7 @@ checkpoint tensor into it, so loading never materialises the full merged weight.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +36,7 @@ class ColumnParallelLinear(nn.Module):
     each is split evenly across ranks and the local shards are stored back to back.
     """
 
-    def __init__(
-        self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo
-    ) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo) -> None:
         super().__init__()
         assert all(s % tp.size == 0 for s in output_sizes), (output_sizes, tp.size)
         self.tp = tp

@@ -64,9 +64,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # One RoPE table shared by every layer (buffers are not parameters, so not loaded).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

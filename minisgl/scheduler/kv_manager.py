@@ -65,8 +65,10 @@ class KVManager:
         if not self.free_rows:
             return False
         req.row = self.free_rows.pop()
-        # Always compute at least one token, so there are logits to sample from.
-        match = self.cache.match_prefix(req.token_slice(0, req.num_tokens - 1))
+        # Always compute at least one token, so there are logits to sample from; a request
+        # that wants prompt logprobs computes its whole prompt.
+        end = 0 if req.params.prompt_logprobs is not None else req.num_tokens - 1
+        match = self.cache.match_prefix(req.token_slice(0, end))
         self.cache.lock(match.node)
         req.tree_node, req.tree_len = match.node, match.length
         req.kv_len = req.alloc_len = match.length

@@ -33,6 +33,9 @@ class Req:
     matched_stop: int | str | None = None
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # prompt_logprobs[i] is the logprob of prompt token i + 1 given the tokens before it.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     admit_order: int = 0
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet

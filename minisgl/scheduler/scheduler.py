@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.base import BatchLayout
-from minisgl.engine.engine import Engine, SampleResult
+from minisgl.engine.engine import Engine, HostSamples, PromptLogprobRequest, SampleResult
 from minisgl.engine.sampler import SamplingBatch
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.kv_manager import KVManager, ranges
@@ -42,6 +42,7 @@ class _Row:
 class _InFlight:
     reqs: list[Req]  # the rows that sample, in row order
     output: SampleResult | None
+    prompt_lp_reqs: list[tuple[Req, int]]  # (request, how many prompt logprobs it gets)
 
 
 class Scheduler:
@@ -307,8 +308,20 @@ class Scheduler:
         )
         input_ids: list[int] = []
         from_device: list[tuple[int, int]] = []  # (flat position, page-table row)
+        prompt_lp_index: list[int] = []  # flat positions whose logits score the next prompt token
+        prompt_lp_targets: list[int] = []
+        prompt_lp_reqs: list[tuple[Req, int]] = []
         for r in rows:
             req, start, end = r.req, r.req.kv_len, r.req.kv_len + r.extend
+            if req.params.prompt_logprobs is not None:
+                # Positions p predict prompt token p + 1; skip what was reported before a retraction.
+                lo = max(start, len(req.prompt_logprobs))
+                hi = min(end, len(req.prompt_ids) - 1)
+                if hi > lo:
+                    base = len(input_ids) - start
+                    prompt_lp_index += range(base + lo, base + hi)
+                    prompt_lp_targets += req.prompt_ids[lo + 1 : hi + 1]
+                    prompt_lp_reqs.append((req, hi - lo))
             known_end = min(end, req.num_known)
             input_ids += req.token_slice(start, known_end)
             if end > known_end:  # the last token was sampled by the batch still in flight
@@ -331,7 +344,11 @@ class Scheduler:
                 self.engine.device,
             )
             if any(_uses_penalties(q) for q in sampled):
-                penalty_slots = torch.tensor([q.row for q in sampled], device=self.engine.device)
+                penalty_slots = self.engine.to_device([q.row for q in sampled])
+        prompt_lp = None
+        if prompt_lp_reqs:
+            k = max(q.params.prompt_logprobs or 0 for q, _ in prompt_lp_reqs)
+            prompt_lp = PromptLogprobRequest(prompt_lp_index, prompt_lp_targets, k)
         out = self.engine.forward(
             layout,
             input_ids,
@@ -342,6 +359,7 @@ class Scheduler:
             penalty_slots,
             from_device,
             [q.row for q in sampled],
+            prompt_lp,
         )
         for r in rows:
             r.req.kv_len += r.extend
@@ -353,7 +371,7 @@ class Scheduler:
         for r in rows:
             if r.extend > 1:
                 self.kv.cache_prefix(r.req)  # share prompt prefixes with requests still waiting
-        return _InFlight(sampled, out)
+        return _InFlight(sampled, out, prompt_lp_reqs)
 
     def _process(self, batch: _InFlight) -> list[Req]:
         """Turn a finished batch's samples into request progress and finish requests."""
@@ -363,6 +381,8 @@ class Scheduler:
         out = batch.output.to_host()  # the one host sync of the step
         t1 = time.perf_counter()
         self.stats["wait_s"] += t1 - t0
+        if batch.prompt_lp_reqs:
+            self._store_prompt_logprobs(batch.prompt_lp_reqs, out)
         tokens = out.next_tokens
         for i, req in enumerate(batch.reqs):
             req.inflight -= 1
@@ -387,6 +407,20 @@ class Scheduler:
                     self.waiting.remove(req)
         self.stats["process_s"] += time.perf_counter() - t1
         return batch.reqs
+
+    @staticmethod
+    def _store_prompt_logprobs(items: list[tuple[Req, int]], out: HostSamples) -> None:
+        assert out.prompt_logprobs is not None
+        i = 0
+        for req, n in items:
+            k = req.params.prompt_logprobs or 0
+            req.prompt_logprobs += out.prompt_logprobs[i : i + n]
+            if k and out.prompt_top_ids is not None and out.prompt_top_logprobs is not None:
+                for ids, lps in zip(
+                    out.prompt_top_ids[i : i + n], out.prompt_top_logprobs[i : i + n]
+                ):
+                    req.prompt_top_logprobs.append(list(zip(ids[:k], lps[:k])))
+            i += n
 
     def _finish(self, req: Req, reason: str) -> None:
         req.state = ReqState.FINISHED

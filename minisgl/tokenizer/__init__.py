@@ -17,7 +17,9 @@ def load_tokenizer(resolved: ResolvedModel, override: str | None = None) -> Any:
 
         return load_gguf_tokenizer(resolved.path)
     path = resolved.path
-    has_files = any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+    has_files = any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    )
     if not has_files:
         # A config-only directory (dummy-weight benchmarks): token-id prompts only.
         return None

@@ -25,7 +25,9 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3", max_position_embeddings=2048)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("gpu") / "qwen3", "qwen3", max_position_embeddings=2048
+    )
 
 
 def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
@@ -35,7 +37,10 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
     for i in range(24):
         tail = [rng.randrange(3, 256) for _ in range(rng.randint(1, 200))]
         prompts.append(system + tail if i % 2 else tail)
-    params = [SamplingParams(temperature=0, max_tokens=rng.randint(4, 64), ignore_eos=True) for _ in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(4, 64), ignore_eos=True)
+        for _ in prompts
+    ]
     return prompts, params
 
 
@@ -45,9 +50,14 @@ def _hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).cuda().eval()
     out = []
     for ids in prompts:
-        g = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        out.append(g[0, len(ids):].tolist())
+        g = model.generate(
+            torch.tensor([ids], device="cuda"),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(g[0, len(ids) :].tolist())
     return out
 
 
@@ -72,13 +82,26 @@ def test_matches_hf_on_gpu_fp32(tiny: Path) -> None:
         dict(attention_backend="triton", page_size=16),
         dict(attention_backend="triton", chunked_prefill_size=64, cache="naive"),
     ],
-    ids=["torch-eager-sync", "triton-eager-sync", "triton-eager-overlap", "triton-graph-sync",
-         "triton-graph-overlap", "page16", "chunk64-naive"],
+    ids=[
+        "torch-eager-sync",
+        "triton-eager-sync",
+        "triton-eager-overlap",
+        "triton-graph-sync",
+        "triton-graph-overlap",
+        "page16",
+        "chunk64-naive",
+    ],
 )
 def test_switches_do_not_change_greedy_fp32(tiny: Path, options: dict) -> None:
     prompts, params = _workload()
-    base = LLM(str(tiny), dtype="float32", attention_backend="torch", cuda_graph_max_bs=0,
-               disable_overlap_scheduling=True, cache="naive")
+    base = LLM(
+        str(tiny),
+        dtype="float32",
+        attention_backend="torch",
+        cuda_graph_max_bs=0,
+        disable_overlap_scheduling=True,
+        cache="naive",
+    )
     ref = [r["token_ids"] for r in base.generate(prompts, params)]
     llm = LLM(str(tiny), dtype="float32", **options)
     out = [r["token_ids"] for r in llm.generate(prompts, params)]
@@ -100,11 +123,17 @@ def test_bf16_graphs_and_overlap_identical(tiny: Path) -> None:
 def test_exact_max_tokens_and_eos_under_overlap(tiny: Path) -> None:
     llm = LLM(str(tiny), dtype="float32")
     assert llm.scheduler.overlap
-    full = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]["token_ids"]
+    full = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[
+        0
+    ]["token_ids"]
     for n in (1, 2, 7):
-        r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[
+            0
+        ]
         assert r["token_ids"] == full[:n]
     stop = full[6]
-    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]))[0]
+    r = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
+    )[0]
     assert r["token_ids"] == full[: full.index(stop) + 1]  # nothing after the stop token
     assert_engine_clean(llm)

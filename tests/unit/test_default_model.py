@@ -46,5 +46,5 @@ def test_matches_hf_on_the_same_gguf(llm: LLM) -> None:
     ids = llm.apply_chat_template([{"role": "user", "content": "Write a short poem about rain."}])
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=2)
     ours = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
-    expected = ref[0, len(ids):].tolist()
+    expected = ref[0, len(ids) :].tolist()
     assert ours["token_ids"][: len(expected)] == expected

@@ -46,24 +46,32 @@ def test_results_in_input_order_with_per_prompt_params(llm: LLM) -> None:
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm: LLM) -> None:
-    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=1234)
+    p = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=1234
+    )
     alone = llm.generate([[5, 6, 7]], p)[0]["token_ids"]
     again = llm.generate([[5, 6, 7]], p)[0]["token_ids"]
     others = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
     mixed = llm.generate([[1, 2, 3], [5, 6, 7], [9, 9]], [others, p, others])[1]["token_ids"]
     assert alone == again == mixed
-    other_seed = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=99)
+    other_seed = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, ignore_eos=True, seed=99
+    )
     assert llm.generate([[5, 6, 7]], other_seed)[0]["token_ids"] != alone
 
 
 def test_max_tokens_exact_and_stop_token_ids(llm: LLM) -> None:
     full = llm.generate([[5, 6, 7]], GREEDY)[0]["token_ids"]
     for n in (1, 2, 13):
-        r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[
+            0
+        ]
         assert r["token_ids"] == full[:n] and r["finish_reason"] == "length"
     stop_tok = full[5]
     first = full.index(stop_tok)
-    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))[0]
+    r = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok])
+    )[0]
     assert r["token_ids"] == full[: first + 1]
     assert r["finish_reason"] == "stop" and r["matched_stop"] == stop_tok
 
@@ -72,7 +80,9 @@ def test_stop_strings_are_exact_and_excluded(llm: LLM) -> None:
     full = llm.generate([[5, 6, 7]], GREEDY)[0]
     words = full["text"].split(" ")
     stop = f"{words[4]} {words[5]}"  # spans two tokens
-    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop=[stop, "zzz"]))[0]
+    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=20, stop=[stop, "zzz"]))[
+        0
+    ]
     assert r["finish_reason"] == "stop" and r["matched_stop"] == stop
     assert stop not in r["text"]
     assert full["text"].startswith(r["text"])
@@ -92,7 +102,10 @@ def test_eos_stops_unless_ignored(tiny_models: dict[str, Path]) -> None:
 
 
 def test_logprobs_and_top_logprobs(llm: LLM) -> None:
-    r = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3))[0]
+    r = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3),
+    )[0]
     assert len(r["logprobs"]) == 5 and len(r["top_logprobs"]) == 5
     for tok, lp, top in zip(r["token_ids"], r["logprobs"], r["top_logprobs"]):
         assert len(top) == 3
@@ -101,8 +114,13 @@ def test_logprobs_and_top_logprobs(llm: LLM) -> None:
 
 
 def test_penalties_change_output(llm: LLM) -> None:
-    base = llm.generate([[5, 5, 5, 5]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]["token_ids"]
-    rep = llm.generate([[5, 5, 5, 5]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=2.0))[0]["token_ids"]
+    base = llm.generate(
+        [[5, 5, 5, 5]], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )[0]["token_ids"]
+    rep = llm.generate(
+        [[5, 5, 5, 5]],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, presence_penalty=2.0),
+    )[0]["token_ids"]
     assert len(set(rep)) >= len(set(base))
     assert rep != base or len(set(base)) == len(base)
 

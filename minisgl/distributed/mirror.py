@@ -1,0 +1,222 @@
+"""Offline TP: every scheduler call that changes state runs on every rank, in one order.
+
+Rank 0 wraps its `Scheduler` in a `MirroredScheduler`. Each mutating call (add, abort, step,
+drain, flush) is first broadcast as ``(op, args)`` on the control channel, then applied by a
+`RankState` on rank 0 and, from the same bytes, on every follower (`follow`). The scheduler
+is deterministic (decode rows sorted by uid, counter-based sampling with the per-request
+seed rank 0 resolved and sent), so identical calls give identical batches, and the all-gathered
+logits give identical tokens on every rank.
+
+Each rank folds what every step produced into a digest; `reports` collects the digests with
+each rank's integrity check, so a rank that drifted is caught, not just a rank that hung.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.distributed.channel import EventChannel
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.request import Req
+from minisgl.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+GATHERED = frozenset({"report"})  # ops whose per-rank results are collected on rank 0
+
+
+@dataclass(frozen=True)
+class AddItem:
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class RankState:
+    """Applies one rank's share of the call stream to its scheduler."""
+
+    def __init__(self, scheduler: Scheduler, rank: int) -> None:
+        self.scheduler = scheduler
+        self.rank = rank
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.steps = 0
+
+    def apply(self, op: str, args: tuple[Any, ...]) -> Any:
+        return getattr(self, f"op_{op}")(*args)
+
+    def op_add(self, items: list[AddItem]) -> list[Req]:
+        # Sorted by uid: the waiting queue's order is part of the state every rank must share,
+        # and must not depend on how rank 0 happened to collect the requests.
+        reqs = [
+            self.scheduler.add_request(it.prompt_ids, it.params, uid=it.uid)
+            for it in sorted(items, key=lambda it: it.uid)
+        ]
+        self._fold([(r.uid, "add", r.seed) for r in reqs])
+        return reqs
+
+    def op_abort(self, uid: int) -> Req | None:
+        req = self.scheduler.abort(uid)
+        self._fold([(uid, "abort", req is not None)])
+        return req
+
+    def op_step(self) -> list[Req]:
+        return self._progress(self.scheduler.step())
+
+    def op_drain(self) -> list[Req]:
+        return self._progress(self.scheduler.drain())
+
+    def op_flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def op_report(self) -> dict[str, Any]:
+        s = self.scheduler
+        try:
+            s.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+        params = list(s.engine.model.named_parameters())
+        return {
+            "rank": self.rank,
+            "error": error,
+            "digest": self.digest.hexdigest(),
+            "steps": self.steps,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "free_pages": s.kv.allocator.num_free_pages,
+            "evictable_pages": s.kv.cache.evictable_pages,
+            "num_pages": s.kv.allocator.num_pages,
+            "param_shapes": {n: tuple(p.shape) for n, p in params},
+            # Bytes each parameter's storage holds: equal to its own size when the rank keeps
+            # only its shard (a narrowed view of a full checkpoint tensor would be larger).
+            "param_storage_bytes": {n: p.untyped_storage().nbytes() for n, p in params},
+        }
+
+    def _progress(self, changed: list[Req]) -> list[Req]:
+        self.steps += 1
+        self._fold(
+            [(r.uid, len(r.output_ids), r.output_ids[-1:], r.finish_reason) for r in changed]
+        )
+        return changed
+
+    def _fold(self, facts: list[Any]) -> None:
+        if facts:
+            self.digest.update(repr(facts).encode())
+
+
+class MirroredScheduler:
+    """Rank 0's scheduler handle: the `Scheduler` interface, mirrored to every rank.
+
+    Reads (``running``, ``kv``, ``has_work``, ``check_prompt`` ...) go to rank 0's own
+    scheduler. Mutate it only through these methods: a direct change on rank 0 (say, of
+    ``stop_checker``) would make the ranks diverge.
+    """
+
+    def __init__(self, scheduler: Scheduler, channel: EventChannel) -> None:
+        self._local = scheduler
+        self._channel = channel
+        self._state = RankState(scheduler, channel.tp.rank)
+        self._stopped = False
+        self.broken: str | None = None  # why the ranks may be out of step
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._local, name)
+
+    def _call(self, op: str, *args: Any) -> Any:
+        if self._stopped:
+            raise RuntimeError("the TP ranks have been shut down (LLM.close)")
+        if self.broken is not None:
+            raise RuntimeError(f"the TP ranks are out of step after {self.broken}; recreate")
+        try:
+            self._channel.broadcast((op, args))
+            result = self._state.apply(op, args)
+            return self._channel.gather(result) if op in GATHERED else result
+        except BaseException as exc:
+            # An error (or Ctrl-C) part-way through a call may have left the followers inside
+            # a collective that rank 0 never reached: nothing after it can be trusted.
+            self.broken = f"{op} failed ({type(exc).__name__})"
+            raise
+
+    def add_requests(self, items: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Req]:
+        """Queue several requests with one message; the Reqs come back in item order."""
+        for ids, params in items:  # validate on rank 0, so followers never see a bad item
+            params.validate()
+            self._local.check_prompt(ids)
+        adds = [self._item(next(self._local.uids), ids, p) for ids, p in items]
+        return list(self._call("add", adds))
+
+    def _item(self, uid: int, ids: Sequence[int], params: SamplingParams) -> AddItem:
+        # Rank 0 draws the seed (from the config seed, in the order one rank would) and sends
+        # it, so no rank depends on its own random state to sample what the others sample.
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=self._local.rng.getrandbits(62))
+        return AddItem(uid, list(ids), params)
+
+    def add_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, uid: int | None = None
+    ) -> Req:
+        if uid is not None:
+            params.validate()
+            self._local.check_prompt(prompt_ids)
+            return list(self._call("add", [self._item(uid, prompt_ids, params)]))[0]
+        return self.add_requests([(prompt_ids, params)])[0]
+
+    def abort(self, uid: int) -> Req | None:
+        return self._call("abort", uid)  # type: ignore[no-any-return]
+
+    def step(self) -> list[Req]:
+        return self._call("step")  # type: ignore[no-any-return]
+
+    def drain(self) -> list[Req]:
+        return self._call("drain")  # type: ignore[no-any-return]
+
+    def flush_cache(self) -> bool:
+        return bool(self._call("flush_cache"))
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Every rank's integrity check, step digest and shard sizes, in rank order."""
+        return list(self._call("report") or [])
+
+    def check_integrity(self) -> None:
+        """Each rank's own KV check, plus: every rank applied and produced the same."""
+        reports = self.reports()
+        bad = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"] is not None]
+        assert not bad, "; ".join(bad)
+        digests = {r["digest"] for r in reports}
+        assert len(digests) == 1, f"ranks diverged: {[r['digest'] for r in reports]}"
+
+    def stop(self) -> bool:
+        """Tell the followers to leave their loop; False if they cannot be told (already
+        stopped, out of step, or gone) and must be stopped from outside."""
+        if self._stopped:
+            return False
+        self._stopped = True
+        if self.broken is not None:
+            return False
+        try:
+            self._channel.broadcast(("stop", ()))
+        except Exception:  # a rank died: the others fail their next collective and exit
+            return False
+        return True
+
+
+def follow(state: RankState, channel: EventChannel) -> None:
+    """A follower's loop: apply what rank 0 sends until it says stop."""
+    while True:
+        op, args = channel.broadcast()
+        if op == "stop":
+            return
+        try:
+            result = state.apply(op, args)
+        except Exception:
+            # Rank 0 ran the same call on the same state and saw the same error; staying in
+            # the loop keeps this rank in step with it.
+            logger.exception("rank %d: %s failed", state.rank, op)
+            result = None
+        if op in GATHERED:
+            channel.gather(result)

@@ -1,0 +1,119 @@
+"""The process of one follower rank (rank >= 1) of an offline TP run.
+
+It builds the same Engine and Scheduler as rank 0 (its own weight shard), then applies the
+call stream rank 0 broadcasts (`minisgl.distributed.mirror.follow`) until told to stop. It
+leaves when rank 0 says stop, when its parent process dies (polled: the spawning thread may
+end before the process does, so PR_SET_PDEATHSIG is not used), or when a collective fails
+because a peer died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 0.5
+LOG_FORMAT = "%(asctime)s %(levelname)s [tp%(rank)s] %(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    config: EngineConfig
+    rank: int
+    parent_pid: int
+    log_level: str = "warning"
+
+
+class LazyDecoder:
+    """``decode`` for stop strings; loads the tokenizer only if a request uses them."""
+
+    def __init__(self, resolved: Any, override: str | None) -> None:
+        self.resolved, self.override = resolved, override
+        self.tokenizer: Any = None
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            from minisgl.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.resolved, self.override)
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def run_rank(args: RankArgs) -> None:
+    """Entry point of a spawned follower rank."""
+    _setup(args)
+    code = 0
+    try:
+        follow_offline(args.config, args.rank)
+    except BaseException:
+        logger.exception("rank %d failed", args.rank)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Interpreter teardown with torch and gloo loaded takes seconds and can block on the
+    # groups' threads; there is nothing left to flush.
+    os._exit(code)
+
+
+def follow_offline(config: EngineConfig, rank: int) -> None:
+    import torch
+
+    from minisgl.distributed import TPInfo
+    from minisgl.distributed.channel import EventChannel
+    from minisgl.distributed.group import destroy_tp_group
+    from minisgl.distributed.mirror import RankState, follow
+    from minisgl.distributed.topology import Topology
+    from minisgl.engine.engine import Engine
+    from minisgl.scheduler.scheduler import Scheduler
+
+    tp = TPInfo(rank, config.tp_size)
+    if config.device == "cpu" or not torch.cuda.is_available():
+        # Ranks of one node share its cores; oversubscribed threads slow every rank down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // Topology.of(config).ranks_per_node))
+    engine = Engine(config, tp)
+    scheduler = Scheduler(engine, decode=LazyDecoder(engine.resolved, config.tokenizer))
+    channel = EventChannel(tp)
+    channel.handshake("offline")
+    logger.info("rank %d ready on %s", rank, engine.device)
+    follow(RankState(scheduler, rank), channel)
+    destroy_tp_group()
+
+
+def _setup(args: RankArgs) -> None:
+    old_factory = logging.getLogRecordFactory()
+
+    def factory(*a: Any, **kw: Any) -> logging.LogRecord:
+        record = old_factory(*a, **kw)
+        record.rank = args.rank
+        return record
+
+    logging.setLogRecordFactory(factory)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, force=True)
+    # Ctrl-C reaches the whole process group; rank 0 owns shutdown and stops us itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(
+        target=_exit_with_parent, args=(args.parent_pid, args.rank), daemon=True,
+        name="minisgl-parent-watch",
+    ).start()  # fmt: skip
+
+
+def _exit_with_parent(parent_pid: int, rank: int) -> None:
+    # Once the parent is gone we are re-parented, so getppid() changes.
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    logger.warning("rank %d: parent process %d is gone; exiting", rank, parent_pid)
+    os._exit(1)

@@ -1,0 +1,308 @@
+"""Tensor parallelism on CPU (2 processes over gloo): TP=2 equals TP=1 token for token, every
+rank stays consistent through chunked prefill, the radix cache and aborts, each rank holds
+only its shard, and the ranks go away with the LLM (close, garbage collection, parent death,
+or a dead peer) instead of hanging the suite."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from minisgl import LLM, SamplingParams
+from minisgl.cli import build_parser, engine_config
+from minisgl.config import EngineConfig
+from minisgl.distributed.topology import Topology, free_port, split_addr
+from tests.conftest import assert_engine_clean
+from tests.helpers import make_tiny_model
+
+pytestmark = pytest.mark.timeout(180)
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = list(range(10, 50))  # a 40-token prefix: several chunks at chunked_prefill_size=16
+PROMPTS = [[5, 6, 7], SHARED + [60, 61], list(range(100, 137)), SHARED + [70], [9] * 13, [200, 3]]
+MAX_TOKENS = [6, 5, 7, 4, 6, 5]
+FOLLOW_UP = [SHARED + [80, 81, 82], [5, 6, 7, 8], list(range(100, 120))]  # radix hits
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, max_tokens=6, ignore_eos=True)
+OPTIONS: dict[str, Any] = {"chunked_prefill_size": 16, "num_pages": 512, "cache": "radix"}
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _short_dist_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Spawned ranks inherit it: a divergence fails in a minute instead of ten.
+    monkeypatch.setenv("MINISGL_DIST_TIMEOUT_S", "60")
+
+
+@pytest.fixture(scope="module")
+def models(
+    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    kv1 = make_tiny_model(
+        tmp_path_factory.mktemp("tp") / "llama_kv1", "llama", num_key_value_heads=1
+    )
+    return {"llama": tiny_models["llama"], "llama_kv1": kv1, "qwen3": tiny_models["qwen3"]}
+
+
+def _run(llm: LLM) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    first = llm.generate(PROMPTS, [_greedy(n) for n in MAX_TOKENS])
+    second = llm.generate(FOLLOW_UP, _greedy(5))
+    return first, second
+
+
+def _abort_mid_run(llm: LLM) -> tuple[Any, Any, Any]:
+    """One request aborted while decoding, one mid chunked prefill; one left to finish."""
+    s = llm.scheduler
+    decoding, prefilling, survivor = s.add_requests(
+        [([30, 31, 32], _greedy(12)), (list(range(150, 210)), _greedy(4)), ([7, 8, 9], _greedy(8))]
+    )
+    for _ in range(50):
+        if len(decoding.output_ids) >= 2:
+            break
+        s.step()
+    assert 0 < prefilling.kv_len < len(prefilling.prompt_ids), "not caught mid-prefill"
+    s.abort(decoding.uid)
+    s.abort(prefilling.uid)
+    while s.has_work:
+        s.step()
+    s.drain()
+    return decoding, prefilling, survivor
+
+
+def _sharded(name: str) -> bool:
+    return any(
+        k in name for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed", "lm_head")
+    )
+
+
+@pytest.mark.parametrize(("name", "page_size"), [("llama", 1), ("llama_kv1", 4), ("qwen3", 2)])
+def test_tp2_matches_tp1_and_ranks_agree(
+    models: dict[str, Path], name: str, page_size: int
+) -> None:
+    path = str(models[name])
+    ref = LLM(path, page_size=page_size, **OPTIONS)
+    ref_first, ref_second = _run(ref)
+    ref_sampled = ref.generate([[5, 6, 7], [8, 9]], SAMPLED)
+    ref_survivor = ref.generate([[7, 8, 9]], _greedy(8))[0]["token_ids"]
+    full = {n: p.numel() for n, p in ref.engine.model.named_parameters()}
+    del ref
+
+    with LLM(path, tp_size=2, page_size=page_size, **OPTIONS) as llm:
+        pid = llm.followers.pids[1]
+        first, second = _run(llm)
+        assert first == ref_first  # tokens, text, finish reasons, cached-token counts
+        assert second == ref_second
+        assert any(r["cached_tokens"] > 0 for r in second)  # the radix cache was hit
+        # Unseeded sampling: rank 0 draws each seed from the engine seed as TP=1 does and
+        # sends it; the digest check compares what every rank produced, step by step.
+        assert llm.generate([[5, 6, 7], [8, 9]], SAMPLED) == ref_sampled
+        llm.scheduler.check_integrity()
+        assert_engine_clean(llm)
+
+        decoding, prefilling, survivor = _abort_mid_run(llm)
+        assert decoding.finish_reason == prefilling.finish_reason == "abort"
+        assert survivor.output_ids == ref_survivor
+        reports = llm.scheduler.reports()
+        assert [r["error"] for r in reports] == [None, None]
+        assert len({r["digest"] for r in reports}) == 1 and reports[0]["steps"] > 10
+        assert len({(r["free_pages"], r["evictable_pages"]) for r in reports}) == 1
+        assert_engine_clean(llm)
+
+        # Rank 1 holds about half of every sharded weight, in storage of its own.
+        shapes, storage = reports[1]["param_shapes"], reports[1]["param_storage_bytes"]
+        assert shapes == reports[0]["param_shapes"]
+        kv1 = name == "llama_kv1"
+        for n, shape in shapes.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            assert storage[n] == numel * 4, n  # float32, nothing larger kept alive
+            if not _sharded(n):
+                assert numel == full[n], n
+            elif kv1 and "qkv_proj" in n:
+                hidden, head_dim = 64, 16  # q: 2 of 4 heads; k, v: the one KV head, replicated
+                assert numel == (2 + 1 + 1) * head_dim * hidden, n
+            else:
+                assert numel * 2 == full[n], n
+        assert sum(1 for n in shapes if _sharded(n)) >= 10
+    _assert_exits(pid)
+
+
+def test_multi_node_flags_two_simulated_nodes(models: dict[str, Path]) -> None:
+    """Node 1 (one rank) is a separate launcher process, as on a second machine."""
+    path = str(models["llama"])
+    ref = LLM(path, **OPTIONS).generate(PROMPTS[:3], _greedy(5))
+    addr = f"127.0.0.1:{free_port()}"
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minisgl.distributed.launch", "--model", path, "--tp-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--log-level", "warning",
+         "--chunked-prefill-size", "16", "--num-pages", "512"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        llm = LLM(path, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr, **OPTIONS)
+        try:
+            assert llm.followers.procs == {}  # node 0 holds rank 0 only
+            assert llm.generate(PROMPTS[:3], _greedy(5)) == ref
+            llm.scheduler.check_integrity()
+        except BaseException:
+            llm.close()
+            raise
+        del llm  # garbage collection stops the ranks, here those of the other "node"
+        gc.collect()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_ranks_exit_when_rank0_dies_or_a_rank_dies(models: dict[str, Path]) -> None:
+    script = (
+        "import sys, time\n"
+        "from minisgl import LLM\n"
+        f"llm = LLM({str(models['llama'])!r}, tp_size=2, num_pages=64)\n"
+        "print(llm.followers.pids[1], flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        assert parent.stdout is not None
+        follower = int(parent.stdout.readline())
+        parent.kill()  # SIGKILL: no finalizer, no atexit
+        parent.wait()
+        _assert_exits(follower)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+    # The reverse: a follower dies; rank 0 fails at its next call instead of hanging.
+    with LLM(str(models["llama"]), tp_size=2, num_pages=64) as llm:
+        os.kill(llm.followers.pids[1], signal.SIGKILL)
+        _assert_exits(llm.followers.pids[1])
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            llm.generate([[5, 6, 7]], _greedy(4))
+        assert time.monotonic() - started < 30
+        with pytest.raises(RuntimeError, match="out of step"):
+            llm.generate([[5, 6, 7]], _greedy(4))
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[5, 6, 7]], _greedy(4))
+
+
+def _server_follower(config: EngineConfig, out: Any) -> None:
+    """Rank 1 of a `RankSync` test: what the server's non-zero ranks do, minus the model."""
+    import torch
+
+    from minisgl.distributed import TPInfo
+    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+    from minisgl.distributed.server_sync import RankSync
+
+    tp = TPInfo(1, 2)
+    init_tp_group(config, tp, torch.device("cpu"))
+    sync = RankSync(tp)
+    seen = []
+    while (msgs := sync.exchange()) is not None:
+        seen.append(msgs)
+        sync.gather(len(msgs))
+    out.put(seen)
+    destroy_tp_group()
+
+
+def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
+    import multiprocessing as mp
+
+    import torch
+
+    from minisgl.distributed import TPInfo
+    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+    from minisgl.distributed.server_sync import RankSync
+
+    config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_server_follower, args=(config, out), daemon=True)
+    proc.start()
+    try:
+        init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
+        sync = RankSync(TPInfo(0, 2))
+        sent = [[], [{"rid": 3, "ids": [1, 2]}, ("abort", 3)], [], [{"rid": 4}]]
+        for msgs in sent:
+            assert sync.exchange(msgs) == msgs
+            assert sync.gather(len(msgs)) == [len(msgs), len(msgs)]
+        sync.stop()
+        assert out.get(timeout=30) == sent
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        destroy_tp_group()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_topology_and_flags() -> None:
+    t = Topology(tp_size=8, nnodes=2, node_rank=1)
+    assert t.ranks_per_node == 4 and t.node_ranks == [4, 5, 6, 7]
+    assert [t.local_rank(r) for r in (0, 3, 4, 7)] == [0, 3, 0, 3]
+    assert t.node_of(5) == 1 and not t.holds_rank0 and Topology(2).holds_rank0
+    assert split_addr("10.0.0.1:5000") == ("10.0.0.1", 5000)
+    assert split_addr("[::1]:29500") == ("::1", 29500)
+
+    args = build_parser().parse_args(
+        ["--tp-size", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000"]
+    )
+    cfg = engine_config(args)
+    assert (cfg.tp_size, cfg.nnodes, cfg.node_rank, cfg.dist_init_addr) == (
+        4,
+        2,
+        1,
+        "10.0.0.1:5000",
+    )
+    for bad in (
+        {"tp_size": 3, "nnodes": 2, "dist_init_addr": "h:1"},  # nnodes must divide tp_size
+        {"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"},
+        {"tp_size": 2, "nnodes": 2},  # multi-node needs rank 0's address
+        {"tp_size": 2, "dist_init_addr": "no-port"},
+        {"tp_size": 2, "dist_init_addr": "h:70000"},
+        {"nnodes": 0},
+    ):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="node 0"):
+        LLM(tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1")
+
+
+def _assert_exits(pid: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # A zombie (exited, not yet reaped by its parent) counts as gone.
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return
+        except OSError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still running after {timeout}s")
+
+
+def _alive(proc: Any) -> None:
+    if proc.exitcode is not None:
+        raise RuntimeError(f"rank 1 exited with code {proc.exitcode}")
