@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,36 @@ def assert_engine_clean(llm: object) -> None:
     kv = sched.kv
     assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.allocator.num_pages
     assert kv.cache.protected_pages == 0
+
+
+@pytest.fixture(autouse=True)
+def _every_engine_ends_clean(monkeypatch: pytest.MonkeyPatch) -> object:
+    """After every test that ran an engine in this process: integrity holds and every page
+    is free or evictable (module-scoped engines are checked by the tests that use them)."""
+    from minisgl import llm as llm_module
+
+    # Weak references: tests that rely on garbage collection (TP shutdown) must still see it.
+    created: list[weakref.ref[object]] = []
+    original = llm_module.LLM.__init__
+
+    def tracking_init(self: object, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        created.append(weakref.ref(self))
+
+    monkeypatch.setattr(llm_module.LLM, "__init__", tracking_init)
+    yield
+    for ref in created:
+        llm = ref()
+        if llm is None:
+            continue
+        sched = getattr(llm, "scheduler", None)
+        if sched is None or getattr(sched, "inflight", None) is not None:
+            continue  # a test that stopped mid-step on purpose
+        if hasattr(sched, "_channel"):
+            continue  # a TP mirror: test_tp checks every rank's integrity itself
+        if sched.running or sched.waiting:
+            continue  # a test that left requests queued on purpose checks them itself
+        assert_engine_clean(llm)
 
 
 @pytest.fixture(scope="session")

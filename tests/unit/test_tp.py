@@ -160,7 +160,7 @@ def test_multi_node_flags_two_simulated_nodes(models: dict[str, Path]) -> None:
             raise
         del llm  # garbage collection stops the ranks, here those of the other "node"
         gc.collect()
-        assert node1.wait(timeout=30) == 0
+        assert node1.wait(timeout=120) == 0
     finally:
         if node1.poll() is None:
             node1.kill()
@@ -245,7 +245,7 @@ def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
             assert sync.exchange(msgs) == msgs
             assert sync.gather(len(msgs)) == [len(msgs), len(msgs)]
         sync.stop()
-        assert out.get(timeout=30) == sent
+        assert out.get(timeout=120) == sent
         proc.join(30)
         assert proc.exitcode == 0
     finally:
