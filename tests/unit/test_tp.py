@@ -51,7 +51,14 @@ def models(
     kv1 = make_tiny_model(
         tmp_path_factory.mktemp("tp") / "llama_kv1", "llama", num_key_value_heads=1
     )
-    return {"llama": tiny_models["llama"], "llama_kv1": kv1, "qwen3": tiny_models["qwen3"]}
+    # Qwen3-MoE: each expert's intermediate dimension is sharded across the ranks.
+    moe = make_tiny_model(tmp_path_factory.mktemp("tp") / "moe", "qwen3_moe")
+    return {
+        "llama": tiny_models["llama"],
+        "llama_kv1": kv1,
+        "qwen3": tiny_models["qwen3"],
+        "qwen3_moe": moe,
+    }
 
 
 def _run(llm: LLM) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -81,11 +88,23 @@ def _abort_mid_run(llm: LLM) -> tuple[Any, Any, Any]:
 
 def _sharded(name: str) -> bool:
     return any(
-        k in name for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed", "lm_head")
+        k in name
+        for k in (
+            "qkv_proj",
+            "o_proj",
+            "gate_up_proj",
+            "down_proj",
+            "embed",
+            "lm_head",
+            ".w13",
+            ".w2",
+        )
     )
 
 
-@pytest.mark.parametrize(("name", "page_size"), [("llama", 1), ("llama_kv1", 4), ("qwen3", 2)])
+@pytest.mark.parametrize(
+    ("name", "page_size"), [("llama", 1), ("llama_kv1", 4), ("qwen3", 2), ("qwen3_moe", 1)]
+)
 def test_tp2_matches_tp1_and_ranks_agree(
     models: dict[str, Path], name: str, page_size: int
 ) -> None:
