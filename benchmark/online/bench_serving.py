@@ -160,7 +160,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: v for k, v in vars(args).items() if k not in ("output", "no_plot")}
     config.update(
         model=model, date=datetime.date.today().isoformat(), commit=_commit(),
-        machine=f"{platform.machine()} {os.cpu_count()} cpus", loadavg=os.getloadavg(),
+        machine=f"{platform.machine()} {os.cpu_count()} cpus",
         num_requests=len(requests), input_tokens_requested=sum(r.prompt_len for r in requests),
     )  # fmt: skip
     label = args.label or f"{args.dataset}-{args.backend}"
@@ -168,9 +168,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_run(run: dict[str, Any]) -> None:
-    rate = run["request_rate"]
-    print(f"\n=== request rate {rate:g} req/s, max concurrency {run['max_concurrency']} ===")
+    print(f"\n=== {run['schedule']}, max concurrency {run['max_concurrency']} ===")
     print(format_summary(run["summary"]))
+    print(f"{'load average (1 min)':<28}{run['loadavg_1m'][0]:>6.1f} -> {run['loadavg_1m'][1]:.1f}")
     if run["errors"]:
         print("errors:", *run["errors"], sep="\n  ")
     if run["server"] is not None:

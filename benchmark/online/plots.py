@@ -21,8 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 DPI = 72  # keeps the PNGs around 50-100 kB
 
 
-def _cdf(ax: Any, values: list[float], label: str) -> None:
-    xs = sorted(v for v in values if v is not None)
+def _cdf(ax: Any, values: list[float], label: str, scale: float = 1.0) -> None:
+    xs = sorted(v / scale for v in values if v is not None)
     if xs:
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         ax.step(xs, ys, where="post", label=label)
@@ -54,21 +54,24 @@ def plot_results(results: list[dict[str, Any]], path: str | Path) -> Path:
     sweep = any(len(r["runs"]) > 1 for r in results)
     rows = 2 if sweep else 1
     fig, axes = plt.subplots(rows, 3, figsize=(13, 4 * rows), squeeze=False)
-    cdfs = (
-        ("ttft_ms", "TTFT (ms)"),
-        ("itl_ms", "ITL, pooled (ms)"),
-        ("e2e_ms", "E2E latency (ms)"),
-    )
+    cdfs = (("ttft_ms", "TTFT"), ("itl_ms", "ITL, pooled"), ("e2e_ms", "E2E latency"))
     for ax, (key, title) in zip(axes[0], cdfs, strict=True):
+        series = []
         for result in results:
             for run in result["runs"]:
                 reqs = [q for q in run["requests"] if q["success"]]
                 if key == "itl_ms":
                     values = [gap for q in reqs for gap in q["itl_ms"]]
                 else:
-                    values = [q[key] for q in reqs]
-                _cdf(ax, values, _run_label(result, run, many))
-        ax.set_xlabel(title)
+                    values = [q[key] for q in reqs if q[key] is not None]
+                series.append((values, _run_label(result, run, many)))
+        # Seconds once latencies reach tens of seconds (overloaded CPU runs): ms tick labels
+        # would run into each other.
+        top = max((max(v) for v, _ in series if v), default=0.0)
+        scale, unit = (1000.0, "s") if top > 10_000 else (1.0, "ms")
+        for values, label in series:
+            _cdf(ax, values, label, scale)
+        ax.set_xlabel(f"{title} ({unit})")
         ax.set_ylabel("fraction of requests" if key != "itl_ms" else "fraction of gaps")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)

@@ -4,6 +4,7 @@ request rate), bracketed by two /metrics scrapes so the server's figures cover j
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import sys
 import time
@@ -92,12 +93,15 @@ async def run_rate(
     if flush and not await flush_cache(session, ep.base_url):
         print("  (no /flush_cache on this server; the prefix cache stays)", file=sys.stderr)
     if all(r.arrival is not None for r in requests):
-        offsets = [float(r.arrival or 0.0) for r in requests]
+        offsets, schedule = [float(r.arrival or 0.0) for r in requests], "trace timestamps"
     else:
         offsets = arrival_times(len(requests), rate, seed, burstiness)
+        schedule = f"{rate:g} req/s" if rate != float("inf") else "all at once"
     before = await server_metrics.scrape(session, ep.base_url)
+    # Other work on the machine skews latencies; keep the load beside the figures.
+    load_before = os.getloadavg()[0]
     records, duration = await send_all(
-        session, ep, requests, offsets, max_concurrency, tag=f"[{rate:g} req/s] "
+        session, ep, requests, offsets, max_concurrency, tag=f"[{schedule}] "
     )
     after = await server_metrics.scrape(session, ep.base_url)
     summary = summarize(records, duration)
@@ -107,10 +111,12 @@ async def run_rate(
     errors = sorted({r.error for r in records if r.error})
     return {
         "request_rate": rate,
+        "schedule": schedule,
         "max_concurrency": max_concurrency,
         "summary": summary,
         "client": server_metrics.client_view(summary),
         "server": server,
         "errors": errors[:10],
+        "loadavg_1m": [load_before, os.getloadavg()[0]],
         "requests": [r.to_json() for r in records],
     }
