@@ -1,0 +1,72 @@
+"""Verification of draft tokens by rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+For each row, the target's distributions p_0..p_k at the k draft positions plus one, and the
+draft's q_1..q_k (one-hot for deterministic drafts such as n-grams): draft token d_j is kept
+with probability min(1, p(d_j) / q(d_j)); at the first rejection a token is drawn from
+normalize(max(p - q, 0)); if all k are kept, a bonus token is drawn from p_k. The emitted
+tokens are distributed exactly as the target's; greedy targets (one-hot p) keep exactly the
+draft tokens that equal the target's argmax.
+
+Randomness is counter based on (seed, step) like the sampler's, so a request's tokens do
+not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from minisgl.engine.sampler import race, uniform_noise
+
+_ACCEPT_ID = -1  # hash id reserved for the acceptance coin, distinct from every vocab id
+
+
+def verify(
+    target_probs: Tensor,
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    seeds: Tensor,
+    steps: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """target_probs [B, K+1, V]; draft_tokens [B, K] (pad with -1 where a row drafted fewer);
+    draft_probs [B, K, V] or None for deterministic drafts; steps [B] = output position of
+    the first new token. Returns (tokens [B, K+1], num_emitted [B]): row b emits
+    tokens[b, :num_emitted[b]] (accepted drafts, then one corrected or bonus token)."""
+    bsz, k1, vocab = target_probs.shape
+    k = k1 - 1
+    valid = draft_tokens >= 0
+    d = draft_tokens.clamp(min=0)
+    p_d = target_probs[:, :k].gather(2, d[..., None])[..., 0]  # [B, K]
+    if draft_probs is None:
+        q_d = torch.ones_like(p_d)
+    else:
+        q_d = draft_probs.gather(2, d[..., None])[..., 0]
+    pos = steps[:, None] + torch.arange(k, device=steps.device)[None, :]
+    coin = uniform_noise(
+        seeds.repeat_interleave(k),
+        pos.reshape(-1),
+        torch.full((1,), _ACCEPT_ID, device=steps.device),
+    ).view(bsz, k)
+    accept = (coin * q_d <= p_d) & valid
+    # Number of leading accepted drafts per row.
+    n_acc = torch.cumprod(accept.to(torch.int64), dim=1).sum(dim=1)
+    # Distribution of the final token: residual at the first rejection, else p_k.
+    rows = torch.arange(bsz, device=steps.device)
+    p_last = target_probs[rows, n_acc]  # [B, V]
+    rejected = n_acc < valid.sum(dim=1)
+    if draft_probs is None:
+        q_last = torch.zeros_like(p_last)
+        q_last[rows, d[rows, n_acc.clamp(max=max(k - 1, 0))]] = 1.0
+    else:
+        q_last = draft_probs[rows, n_acc.clamp(max=max(k - 1, 0))]
+    residual = (p_last - q_last).clamp(min=0)
+    # A row whose drafts ran out early (padding) was not rejected: it samples from p.
+    dist = torch.where(rejected[:, None], residual, p_last)
+    dist = torch.where(dist.sum(-1, keepdim=True) > 0, dist, p_last)
+    ids = torch.arange(vocab, device=steps.device)
+    last = race(
+        dist.clamp(min=1e-30).log().masked_fill(dist <= 0, float("-inf")), seeds, steps + n_acc, ids
+    )
+    tokens = torch.cat([d, torch.zeros_like(d[:, :1])], dim=1)
+    tokens[rows, n_acc] = last
+    return tokens, n_acc + 1

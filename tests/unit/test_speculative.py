@@ -1,0 +1,75 @@
+"""N-gram drafting and exact rejection-sampling verification (not yet wired into serving)."""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.speculative.ngram import NgramDrafter
+from minisgl.speculative.verify import verify
+
+
+def test_ngram_proposes_the_latest_continuation() -> None:
+    d = NgramDrafter(max_n=3)
+    d.extend([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3])
+    assert d.propose(2) == [7, 8]  # latest earlier "1 2 3" was followed by 7 8
+    assert NgramDrafter().propose(3) == []
+    e = NgramDrafter(max_n=2)
+    e.extend([5, 6, 7, 6])
+    assert e.propose(3) == [7, 6]  # falls back to the 1-gram "6"
+
+
+def test_greedy_keeps_exactly_the_matching_prefix() -> None:
+    vocab = 6
+    argmax = torch.tensor([[2, 4, 1, 3]])
+    probs = torch.nn.functional.one_hot(argmax, vocab).float()  # [1, 4, V]
+    seeds, steps = torch.tensor([7]), torch.tensor([0])
+    toks, n = verify(probs, torch.tensor([[2, 4, 5]]), None, seeds, steps)
+    assert n.item() == 3 and toks[0, :3].tolist() == [2, 4, 1]  # third draft wrong: corrected
+    toks, n = verify(probs, torch.tensor([[2, 4, 1]]), None, seeds, steps)
+    assert n.item() == 4 and toks[0].tolist() == [2, 4, 1, 3]  # all kept plus the bonus
+    toks, n = verify(probs, torch.tensor([[2, -1, -1]]), None, seeds, steps)
+    assert n.item() == 2 and toks[0, :2].tolist() == [2, 4]  # short draft, then bonus
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_emitted_tokens_follow_the_target_distribution() -> None:
+    """First and second emitted tokens are distributed as the target's, whatever the draft."""
+    torch.manual_seed(0)
+    vocab, n = 5, 40000
+    p0 = torch.tensor([0.1, 0.4, 0.2, 0.25, 0.05])
+    p1 = torch.tensor([0.3, 0.05, 0.15, 0.3, 0.2])
+    target = torch.stack([p0, p1, p0]).expand(n, 3, vocab).contiguous()
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 13
+    steps = torch.zeros(n, dtype=torch.int64)
+    # Deterministic draft (n-gram): always proposes tokens 1 then 3.
+    drafts = torch.tensor([1, 3]).expand(n, 2).contiguous()
+    toks, num = verify(target, drafts, None, seeds, steps)
+    first = torch.bincount(toks[:, 0], minlength=vocab).float()
+    assert _chi2(first, p0) < 25.0  # 4 d.o.f.: p < 1e-4 for a correct sampler
+    # Second token, among rows that kept the first draft (token 1): distributed as p1.
+    kept = num >= 2
+    second = torch.bincount(toks[kept, 1], minlength=vocab).float()
+    assert _chi2(second, p1) < 25.0
+    # A stochastic draft (a draft model's q): the first token is still distributed as p0.
+    q = torch.tensor([0.5, 0.1, 0.1, 0.2, 0.1])
+    draft_tok = torch.multinomial(q, n, replacement=True)[:, None]
+    qs = q.expand(n, 1, vocab).contiguous()
+    toks, _ = verify(target[:, :2].contiguous(), draft_tok, qs, seeds, steps)
+    first = torch.bincount(toks[:, 0], minlength=vocab).float()
+    assert _chi2(first, p0) < 25.0
+
+
+def test_same_seed_same_tokens_regardless_of_batch() -> None:
+    vocab = 7
+    probs = torch.softmax(torch.randn(3, 4, vocab, generator=torch.Generator().manual_seed(1)), -1)
+    drafts = torch.tensor([[1, 2, 3], [0, 0, 0], [4, 5, 6]])
+    seeds, steps = torch.tensor([11, 22, 33]), torch.tensor([5, 6, 7])
+    toks, num = verify(probs, drafts, None, seeds, steps)
+    alone, n_alone = verify(probs[1:2], drafts[1:2], None, seeds[1:2], steps[1:2])
+    assert n_alone.item() == num[1].item()
+    assert toks[1, : num[1]].tolist() == alone[0, : n_alone[0]].tolist()
