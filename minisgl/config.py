@@ -35,6 +35,9 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup).
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 4  # draft tokens proposed per request per step
     init_new_token_ratio: float = 0.7  # admission: expected share of max_tokens still to come
     min_new_token_ratio: float = 0.1
 
@@ -73,6 +76,18 @@ class EngineConfig:
             "auto, float32, bfloat16 or float16",
         )
         _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
+        _check(
+            self.speculative_algorithm in (None, "ngram"),
+            "speculative_algorithm",
+            self.speculative_algorithm,
+            "None or ngram",
+        )
+        _check(
+            1 <= self.speculative_num_steps <= 16,
+            "speculative_num_steps",
+            self.speculative_num_steps,
+            "in [1, 16]",
+        )
         _check(self.nnodes >= 1, "nnodes", self.nnodes, ">= 1")
         _check(
             self.tp_size % self.nnodes == 0,

@@ -213,6 +213,7 @@ class Engine:
         from_device: list[tuple[int, int]] = (),  # type: ignore[assignment]
         sample_table_rows: list[int] = (),  # type: ignore[assignment]
         prompt_lp: PromptLogprobRequest | None = None,
+        spec: SpecRequest | None = None,
     ) -> SampleResult | None:
         """Run the model on a batch and sample for the rows in ``sample_rows``.
 
@@ -230,6 +231,8 @@ class Engine:
             logits_index = torch.cat(
                 [logits_index, torch.tensor(prompt_lp.index, dtype=torch.long)]
             )
+        if spec is not None:
+            logits_index = torch.cat([logits_index, torch.tensor(spec.index, dtype=torch.long)])
         pos_dev, rows_dev = zip(*from_device) if from_device else ((), ())
         # Every index this step needs travels in one pinned buffer and one copy.
         parts = [
@@ -248,6 +251,7 @@ class Engine:
             ids[fd_pos] = self.last_tokens[fd_rows]
         if (
             prompt_lp is None
+            and spec is None
             and self.graph_runner is not None
             and self.graph_runner.can_run(layout)
         ):
@@ -262,20 +266,26 @@ class Engine:
                 logits_index=logits_idx,
             )
             logits = self.model(batch)
-        prompt_out: list[torch.Tensor | None] = [None, None, None]
+        extra: list[torch.Tensor | None] = [None] * 5
+        n_sample = len(sample_rows)
+        if spec is not None:
+            n_spec = len(spec.index)
+            extra[3:] = _verify_drafts(logits[len(logits) - n_spec :], spec, self.device)
+            logits = logits[: len(logits) - n_spec]
         if prompt_lp is not None:
-            n_sample = len(sample_rows)
-            prompt_out = _prompt_logprobs(logits[n_sample:], prompt_lp, self.device)
+            extra[:3] = _prompt_logprobs(logits[n_sample:], prompt_lp, self.device)
             logits = logits[:n_sample]
         if not sample_rows or sampling is None:
-            return SampleResult.start_copy(None, prompt_out) if prompt_lp is not None else None
+            if prompt_lp is None and spec is None:
+                return None
+            return SampleResult.start_copy(None, extra)
         out = self.sampler.sample(
             logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots
         )
         self.last_tokens[sample_rows_dev] = out.next_tokens
         if penalty_slots is not None:
             self.penalties.add_tokens(penalty_slots, out.next_tokens)
-        return SampleResult.start_copy(out, prompt_out)
+        return SampleResult.start_copy(out, extra)
 
 
 @dataclass(frozen=True)
@@ -297,6 +307,44 @@ def _prompt_logprobs(
     return [chosen, None, None]
 
 
+@dataclass(frozen=True)
+class SpecRequest:
+    index: list[int]  # k + 1 flat positions per speculating row
+    drafts: list[list[int]]  # k draft tokens per row, -1 padded
+    temperatures: list[float]  # 0 = greedy
+    seeds: list[int]
+    steps: list[int]  # output position of each row's first new token
+
+
+def _verify_drafts(
+    logits: torch.Tensor, spec: SpecRequest, device: torch.device
+) -> list[torch.Tensor | None]:
+    from minisgl.speculative.verify import verify
+
+    rows = len(spec.drafts)
+    logits = logits.float().view(rows, -1, logits.shape[-1])
+    temps = torch.tensor(spec.temperatures, dtype=torch.float32).to(device)
+    greedy = temps == 0
+    scale = torch.where(greedy, torch.ones_like(temps), temps)
+    probs = torch.softmax(logits / scale[:, None, None], dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    probs = torch.where(greedy[:, None, None], one_hot, probs)
+    seeds = torch.tensor([_as_i64(x) for x in spec.seeds], dtype=torch.long).to(device)
+    tokens, counts = verify(
+        probs,
+        torch.tensor(spec.drafts, dtype=torch.long).to(device),
+        None,
+        seeds,
+        torch.tensor(spec.steps, dtype=torch.long).to(device),
+    )
+    return [tokens, counts]
+
+
+def _as_i64(x: int) -> int:
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
 @dataclass
 class HostSamples:
     next_tokens: list[int]
@@ -306,6 +354,8 @@ class HostSamples:
     prompt_logprobs: list[float] | None = None
     prompt_top_ids: list[list[int]] | None = None
     prompt_top_logprobs: list[list[float]] | None = None
+    spec_tokens: list[list[int]] | None = None
+    spec_counts: list[int] | None = None
 
 
 class SampleResult:
@@ -324,7 +374,7 @@ class SampleResult:
             if out is not None
             else [None, None, None, None]
         )
-        tensors += prompt or [None, None, None]
+        tensors += prompt or [None] * 5
         if not any(t is not None and t.device.type == "cuda" for t in tensors):
             return cls(tensors, None)
         host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]

@@ -129,6 +129,7 @@ class SchedulerLoop:
         self.keep_running = True  # cleared by stop() (in-process use, e.g. tests)
         self.max_queued = args.max_queued_requests
         self.rejected_queue_full = 0
+        self.aborts = dict.fromkeys(("waiting", "prefill", "decode"), 0)  # by phase
         # Leak guard state: whether anything ran since the last check, and when that was.
         self.dirty = False
         self.last_check = float("-inf")
@@ -157,8 +158,11 @@ class SchedulerLoop:
                     self._handle(msg, outputs)
                 except Exception:
                     logger.exception("failed to handle %s", type(msg).__name__)
+            # Anything that may have moved pages (requests, aborts, steps) re-arms the guard;
+            # stats scrapes do not, so an idle server is not checked over and over.
+            moved = any(isinstance(m, AddRequests | AbortRequests) for m in msgs)
+            self.dirty = self.dirty or moved or self.scheduler.has_work
             if self.scheduler.has_work:
-                self.dirty = True
                 outputs += self._step()
             if outputs:
                 sockets.send(self.outbox, StepOutputs(outputs))
@@ -180,7 +184,10 @@ class SchedulerLoop:
             self._add(msg, outputs)
         elif isinstance(msg, AbortRequests):
             for rid in msg.rids:
+                phase = _phase(self.live[rid]) if rid in self.live else None
                 req = self.scheduler.abort(rid)
+                if req is not None and phase is not None:
+                    self.aborts[phase] += 1
                 if req is not None and rid in self.live:
                     outputs.append(self._progress(req))
         elif isinstance(msg, ControlRequest):
@@ -355,7 +362,17 @@ class SchedulerLoop:
             "integrity_checks": self.integrity_checks,
             "integrity_violations": self.integrity_violations,
             "rejected_queue_full": self.rejected_queue_full,
+            **{f"aborts_{phase}": n for phase, n in self.aborts.items()},
         }
+
+
+def _phase(req: Req) -> str:
+    """Where an aborted request was: queued (or retracted), still in prefill, or decoding."""
+    from minisgl.scheduler.request import ReqState
+
+    if req.state is ReqState.WAITING:
+        return "waiting"
+    return "prefill" if req.num_generated == 0 else "decode"
 
 
 def _error(rid: int, message: str, status: int) -> TokenOutput:

@@ -38,6 +38,8 @@ class Req:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     admit_order: int = 0
+    drafter: object | None = None  # speculative n-gram index over the request's tokens
+    draft: list[int] = field(default_factory=list)  # tokens proposed for the current step
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
 
     @property

@@ -7,23 +7,30 @@ runs it through the engine, and turns sampled tokens into request progress.
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from minisgl.attention.base import BatchLayout
-from minisgl.engine.engine import Engine, HostSamples, PromptLogprobRequest, SampleResult
+from minisgl.engine.engine import (
+    Engine,
+    HostSamples,
+    PromptLogprobRequest,
+    SampleResult,
+    SpecRequest,
+)
 from minisgl.engine.sampler import SamplingBatch
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.kv_manager import KVManager, ranges
 from minisgl.scheduler.request import Req, ReqState
 from minisgl.scheduler.stop import StopChecker
+from minisgl.speculative.ngram import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +43,7 @@ class _Row:
     req: Req
     extend: int
     samples: bool
+    spec: bool = False  # a decode row carrying draft tokens to verify
 
 
 @dataclass
@@ -43,6 +51,7 @@ class _InFlight:
     reqs: list[Req]  # the rows that sample, in row order
     output: SampleResult | None
     prompt_lp_reqs: list[tuple[Req, int]]  # (request, how many prompt logprobs it gets)
+    spec_reqs: list[Req] = field(default_factory=list)  # rows verifying drafts, in row order
 
 
 class Scheduler:
@@ -58,7 +67,9 @@ class Scheduler:
         # (tests do, to check the one-step-late bookkeeping).
         if overlap is None:
             overlap = overlap_default(engine.device.type, cfg.disable_overlap_scheduling)
-        self.overlap = overlap
+        # Speculation reads each step's result before drafting the next: no overlap.
+        self.spec_k = cfg.speculative_num_steps if cfg.speculative_algorithm == "ngram" else 0
+        self.overlap = overlap and not self.spec_k
         self.inflight: _InFlight | None = None
         self.config = cfg
         self.page_size = cfg.page_size
@@ -195,15 +206,38 @@ class Scheduler:
         )
 
     def _schedule_decodes(self, decodes: list[Req]) -> list[_Row]:
-        need = sum(self.kv.pages_for(r, 1) for r in decodes)
+        for r in decodes:
+            r.draft = self._propose(r) if self.spec_k else []
+        need = sum(self.kv.pages_for(r, 1 + len(r.draft)) for r in decodes)
         while decodes and need > self.kv.available_pages:
             victim = max(decodes, key=lambda r: r.admit_order)
             decodes.remove(victim)
-            need -= self.kv.pages_for(victim, 1)
+            need -= self.kv.pages_for(victim, 1 + len(victim.draft))
+            victim.draft = []
             self._retract(victim)
-        ok = self.kv.allocate_batch(decodes, [1] * len(decodes))
+        ok = self.kv.allocate_batch(decodes, [1 + len(r.draft) for r in decodes])
         assert ok, "decode allocation failed after the capacity check"
-        return [_Row(r, 1, True) for r in decodes]
+        return [_Row(r, 1 + len(r.draft), True, bool(r.draft)) for r in decodes]
+
+    def _propose(self, req: Req) -> list[int]:
+        """N-gram draft for a decode row, for the sampling modes verification covers exactly."""
+        p = req.params
+        plain = p.top_k <= 0 and p.top_p == 1.0 and p.min_p == 0.0
+        if not (p.is_greedy or plain) or _uses_penalties(req) or p.wants_logprobs:
+            return []
+        k = min(
+            self.spec_k,
+            p.max_tokens - req.num_generated - 1,
+            self.context_length - req.num_tokens - 1,
+        )
+        if k <= 0:
+            return []
+        if req.drafter is None:
+            req.drafter = NgramDrafter()
+        drafter = req.drafter
+        assert isinstance(drafter, NgramDrafter)
+        drafter.extend(req.token_slice(len(drafter.tokens), req.num_known))
+        return drafter.propose(k)
 
     def _reserve_pages(self) -> int:
         """Pages kept back for the growth of running requests (not reserved in full)."""
@@ -322,6 +356,9 @@ class Scheduler:
                     prompt_lp_index += range(base + lo, base + hi)
                     prompt_lp_targets += req.prompt_ids[lo + 1 : hi + 1]
                     prompt_lp_reqs.append((req, hi - lo))
+            if r.spec:  # the known last token, then the draft to verify
+                input_ids += req.token_slice(start, start + 1) + req.draft
+                continue
             known_end = min(end, req.num_known)
             input_ids += req.token_slice(start, known_end)
             if end > known_end:  # the last token was sampled by the batch still in flight
@@ -332,8 +369,9 @@ class Scheduler:
         # Positions and KV slots of every new token, gathered without a per-token loop.
         row_idx, positions = ranges(layout.req_rows, layout.prefix_lens, layout.extend_lens)
         out_slots = self.kv.host_table[row_idx, positions]
-        sample_idx = [i for i, r in enumerate(rows) if r.samples]
+        sample_idx = [i for i, r in enumerate(rows) if r.samples and not r.spec]
         sampled = [rows[i].req for i in sample_idx]
+        spec = self._spec_request([r for r in rows if r.spec], layout.extend_lens, rows)
         sampling = None
         penalty_slots = None
         if sampled:
@@ -360,6 +398,7 @@ class Scheduler:
             from_device,
             [q.row for q in sampled],
             prompt_lp,
+            spec,
         )
         for r in rows:
             r.req.kv_len += r.extend
@@ -369,9 +408,37 @@ class Scheduler:
             self.config.min_new_token_ratio, self.new_token_ratio - self.ratio_decay
         )
         for r in rows:
-            if r.extend > 1:
+            if r.extend > 1 and not r.spec:  # drafts are unverified: never cache them
                 self.kv.cache_prefix(r.req)  # share prompt prefixes with requests still waiting
-        return _InFlight(sampled, out, prompt_lp_reqs)
+        return _InFlight(sampled, out, prompt_lp_reqs, [r.req for r in rows if r.spec])
+
+    def _spec_request(
+        self, spec_rows: list[_Row], extend_lens: list[int], rows: list[_Row]
+    ) -> SpecRequest | None:
+        if not spec_rows:
+            return None
+        k = self.spec_k
+        starts: dict[int, int] = {}
+        acc = 0
+        for r, e in zip(rows, extend_lens):
+            starts[id(r)] = acc
+            acc += e
+        index: list[int] = []
+        drafts: list[list[int]] = []
+        for r in spec_rows:
+            n = len(r.req.draft)
+            first = starts[id(r)]
+            # k + 1 logits per row; short drafts repeat their last position (ignored).
+            index += [first + min(j, n) for j in range(k + 1)]
+            drafts.append(r.req.draft + [-1] * (k - n))
+        reqs = [r.req for r in spec_rows]
+        return SpecRequest(
+            index=index,
+            drafts=drafts,
+            temperatures=[q.params.temperature if not q.params.is_greedy else 0.0 for q in reqs],
+            seeds=[q.seed for q in reqs],
+            steps=[q.num_generated for q in reqs],
+        )
 
     def _process(self, batch: _InFlight) -> list[Req]:
         """Turn a finished batch's samples into request progress and finish requests."""
@@ -383,6 +450,8 @@ class Scheduler:
         self.stats["wait_s"] += t1 - t0
         if batch.prompt_lp_reqs:
             self._store_prompt_logprobs(batch.prompt_lp_reqs, out)
+        if batch.spec_reqs:
+            self._accept_drafts(batch.spec_reqs, out)
         tokens = out.next_tokens
         for i, req in enumerate(batch.reqs):
             req.inflight -= 1
@@ -406,7 +475,28 @@ class Scheduler:
                 elif req in self.waiting:  # retracted while its last token was in flight
                     self.waiting.remove(req)
         self.stats["process_s"] += time.perf_counter() - t1
-        return batch.reqs
+        return batch.reqs + batch.spec_reqs
+
+    def _accept_drafts(self, reqs: list[Req], out: HostSamples) -> None:
+        assert out.spec_tokens is not None and out.spec_counts is not None
+        for req, toks, n in zip(reqs, out.spec_tokens, out.spec_counts):
+            fed = 1 + len(req.draft)
+            old_kv = req.kv_len - fed
+            self.stats["spec_rows"] = self.stats.get("spec_rows", 0) + 1
+            self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n - 1
+            reason = None
+            for tok in toks[:n]:
+                req.output_ids.append(tok)
+                reason = self.stop_checker.check(req, self.context_length)
+                if reason is not None:
+                    break
+            # Roll back the rejected drafts: only verified tokens keep their KV.
+            req.kv_len = min(old_kv + n, req.num_known - 1)
+            req.draft = []
+            if reason is not None:
+                self._finish(req, reason)
+                self.running.remove(req)
+                self.kv.release(req)
 
     @staticmethod
     def _store_prompt_logprobs(items: list[tuple[Req, int]], out: HostSamples) -> None:
