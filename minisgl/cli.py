@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from typing import Any
 
 from minisgl.config import EngineConfig
+
+API_KEY_ENV = "MINISGL_API_KEY"
 
 # Extra spellings users know from SGLang / mini-sglang / vLLM.
 FLAG_ALIASES: dict[str, list[str]] = {
@@ -96,7 +99,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="logging verbosity",
     )  # fmt: skip
+    add_reliability_flags(parser)
     return parser
+
+
+def _number(kind: type, minimum: float, name: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server protection")
+    group.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+        f"(default: ${API_KEY_ENV} if set, else no authentication)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-queued-requests", type=_number(int, 0, "--max-queued-requests"), default=None,
+        metavar="N", help="answer 503 (Retry-After) instead of queueing more than N waiting "
+        "requests (default: unlimited)",
+    )  # fmt: skip
+    group.add_argument(
+        "--request-timeout", type=_number(float, 0.001, "--request-timeout"), default=None,
+        metavar="S", help="abort requests still unfinished S seconds after arrival, freeing "
+        "their KV (HTTP 504 / an error event) (default: none)",
+    )  # fmt: skip
+    group.add_argument(
+        "--max-request-bytes", type=_number(int, 1, "--max-request-bytes"), default=8 << 20,
+        metavar="N", help="larger request bodies get 413 (default: 8 MiB)",
+    )  # fmt: skip
+    group.add_argument(
+        "--shutdown-timeout", type=_number(float, 0, "--shutdown-timeout"), default=30.0,
+        metavar="S", help="on SIGTERM, how long running requests may take to finish before "
+        "they are aborted (default: 30)",
+    )  # fmt: skip
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -123,5 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         ServerArgs(
             host=args.host, port=args.port,
             served_model_name=args.served_model_name, log_level=args.log_level,
+            # An empty key (e.g. MINISGL_API_KEY= in a unit file) means "no key", not "".
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            max_queued_requests=args.max_queued_requests,
+            request_timeout=args.request_timeout,
+            max_request_bytes=args.max_request_bytes,
+            shutdown_timeout=args.shutdown_timeout,
         ),
     )  # fmt: skip

@@ -14,11 +14,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from minisgl.server import native_api, openai_api
 from minisgl.server.errors import APIError, error_response, install_error_handlers
 from minisgl.server.frontend import ServiceUnavailable
+from minisgl.server.guards import APIKeyGuard, BodySizeLimit
 from minisgl.server.state import ServerState, server_state
 
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 5.0
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
 class JSONBodyByDefault:
@@ -37,7 +39,13 @@ class JSONBodyByDefault:
         await self.app(scope, receive, send)
 
 
-def create_app(state: ServerState, on_started: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    state: ServerState,
+    on_started: Callable[[], None] | None = None,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.frontend.start()
@@ -49,7 +57,12 @@ def create_app(state: ServerState, on_started: Callable[[], None] | None = None)
             await state.frontend.stop()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
+    # The last middleware added runs first: authenticate (headers only), then read the body
+    # within its size limit, then default its content type.
     app.add_middleware(JSONBodyByDefault)
+    app.add_middleware(BodySizeLimit, limit=max_request_bytes, metrics=state.metrics)
+    if api_key:
+        app.add_middleware(APIKeyGuard, api_key=api_key, metrics=state.metrics)
     app.state.minisgl = state
     install_error_handlers(app)
     app.include_router(openai_api.router)
@@ -65,6 +78,8 @@ async def health(request: Request) -> Response:
     frontend = server_state(request).frontend
     if frontend.dead_reason is not None:
         return error_response(503, f"unhealthy: {frontend.dead_reason}")
+    if frontend.draining:
+        return error_response(503, "the server is shutting down")
     return JSONResponse({"status": "ok"})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,19 +18,33 @@ logger = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
+    504: "timeout_error",
 }
+
+# Every 503 means "try again shortly" (queue full, shutting down, engine restarting): say when,
+# so that clients and proxies back off instead of hammering an overloaded server.
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers
 
 
 def bad_request(exc: Exception | str) -> APIError:
@@ -48,8 +63,13 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+def error_response(
+    status: int, message: str, param: str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    headers = dict(headers or {})
+    if status == 503:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
 
 def sse_error(status: int, message: str) -> str:
@@ -71,7 +91,7 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     # FastAPI answers schema violations with 422; OpenAI clients expect 400.
     @app.exception_handler(RequestValidationError)
@@ -81,7 +101,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -39,6 +39,10 @@ class ServiceUnavailable(RuntimeError):
     """The engine is gone (a child process died) or the server is shutting down."""
 
 
+class Draining(ServiceUnavailable):
+    """The server is shutting down gracefully: running requests finish, new ones are refused."""
+
+
 @dataclass
 class SequenceResult:
     """Everything one sequence (choice) produced, accumulated from its outputs."""
@@ -83,6 +87,7 @@ class RequestGroup:
         self.unfinished = set(rids)
         self.arrival = time.perf_counter()
         self.last_token_at: dict[int, float] = {}  # per sequence, for inter-token latency
+        self.timer: asyncio.TimerHandle | None = None  # the request timeout, if any
         self.closed = False
 
     async def first(self) -> TextOutput:
@@ -108,9 +113,16 @@ class RequestGroup:
 
 
 class Frontend:
-    def __init__(self, addresses: sockets.IpcAddresses, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        addresses: sockets.IpcAddresses,
+        metrics: ServerMetrics,
+        request_timeout: float | None = None,
+    ) -> None:
         self.addresses = addresses
         self.metrics = metrics
+        self.request_timeout = request_timeout
+        self.draining = False
         self.groups: dict[int, RequestGroup] = {}
         self.controls: dict[int, asyncio.Future[ControlReply]] = {}
         self.rids = itertools.count(1)
@@ -142,6 +154,9 @@ class Frontend:
     def submit(self, items: list[SubmitItem]) -> RequestGroup:
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
+        if self.draining:
+            self.metrics.rejected.labels("shutting_down").inc()
+            raise Draining("the server is shutting down and accepts no new requests")
         for item in items:
             item.rid = next(self.rids)
         try:
@@ -153,15 +168,58 @@ class Frontend:
         for rid in group.rids:
             self.groups[rid] = group
         self.to_worker.send(payload, copy=False)
+        if self.request_timeout is not None and self.loop is not None:
+            group.timer = self.loop.call_later(self.request_timeout, self._expire, group)
         return group
 
     def forget(self, group: RequestGroup) -> None:
+        if group.timer is not None:
+            group.timer.cancel()
         unfinished = sorted(group.unfinished)
         for rid in group.rids:
             self.groups.pop(rid, None)
         if unfinished and self.dead_reason is None:
             self.metrics.aborted_requests.inc(len(unfinished))
             sockets.send(self.to_worker, AbortRequests(unfinished))
+
+    def _expire(self, group: RequestGroup) -> None:
+        if group.closed or not group.unfinished:
+            return
+        timeout = self.request_timeout
+        message = (
+            f"the request exceeded the server's request timeout ({timeout:g}s) and was aborted"
+        )
+        n = self.abort_group(group, message, 504)
+        self.metrics.server_aborts.labels("timeout").inc(n)
+
+    def abort_group(self, group: RequestGroup, message: str, status: int) -> int:
+        """End the group's unfinished sequences with an error output (what its HTTP response
+        reports) and abort them in the scheduler, which frees their KV. Returns how many."""
+        unfinished = sorted(group.unfinished)
+        group.unfinished.clear()
+        for rid in unfinished:
+            self.groups.pop(rid, None)
+            group.queue.put_nowait(
+                TextOutput(rid, "", [], finish_reason="abort", error=message, error_status=status)
+            )
+        if unfinished and self.dead_reason is None:
+            sockets.send(self.to_worker, AbortRequests(unfinished))
+        return len(unfinished)
+
+    # ------------------------------------------------------------ graceful shutdown
+    def start_draining(self) -> None:
+        self.draining = True
+
+    async def wait_drained(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for every live sequence to finish."""
+        deadline = time.monotonic() + timeout
+        while self.groups and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.groups
+
+    def abort_all(self, message: str, status: int) -> int:
+        groups = {id(g): g for g in self.groups.values()}.values()
+        return sum(self.abort_group(g, message, status) for g in list(groups))
 
     @property
     def num_live_requests(self) -> int:
@@ -214,13 +272,8 @@ class Frontend:
         self.loop.call_soon_threadsafe(self._fail_all, reason)
 
     def _fail_all(self, reason: str) -> None:
-        self.dead_reason = reason
-        for rid, group in list(self.groups.items()):
-            group.queue.put_nowait(
-                TextOutput(rid, "", [], finish_reason="abort", error=reason, error_status=503)
-            )
-            group.unfinished.discard(rid)
-        self.groups.clear()
+        self.dead_reason = reason  # set first: nothing is sent to the dead engine
+        self.abort_all(reason, 503)
         for fut in self.controls.values():
             if not fut.done():
                 fut.set_exception(ServiceUnavailable(reason))

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import wait as wait_sentinels
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,16 @@ class ServerArgs:
     port: int = 1919
     served_model_name: str | None = None
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)  # never printed, see __repr__
+    max_queued_requests: int | None = None  # waiting requests beyond this get 503
+    request_timeout: float | None = None  # seconds from arrival to abort
+    max_request_bytes: int = 8 << 20
+    shutdown_timeout: float = 30.0  # SIGTERM: how long running requests may still take
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr]
+        shown.append(f"api_key={'<set>' if self.api_key else None}")
+        return f"ServerArgs({', '.join(shown)})"
 
 
 class StartupError(RuntimeError):
@@ -66,7 +76,9 @@ class Runtime:
     stopping: bool = False
 
     @classmethod
-    def start(cls, config: EngineConfig, log_level: str) -> Runtime:
+    def start(
+        cls, config: EngineConfig, log_level: str, max_queued_requests: int | None = None
+    ) -> Runtime:
         from minisgl.scheduler.process import SchedulerArgs, run_scheduler
         from minisgl.tokenizer.worker import WorkerArgs, run_worker
 
@@ -84,7 +96,9 @@ class Runtime:
             targets: dict[str, tuple[Callable[..., None], Any]] = {
                 "scheduler-tp0": (
                     run_scheduler,
-                    SchedulerArgs(config, rt.addresses, copy_dir, pid, 0, log_level),
+                    SchedulerArgs(
+                        config, rt.addresses, copy_dir, pid, 0, log_level, max_queued_requests
+                    ),
                 ),
                 "tokenizer": (
                     run_worker,
@@ -198,9 +212,11 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     started = time.perf_counter()
     runtime: Runtime | None = None
+    logger.info("%r", args)  # the API key shows as <set>: logs get shared, keys must not
+    logger.info("%r", config)
     try:
         listener = bind_listener(args.host, args.port)
-        runtime = Runtime.start(config, args.log_level)
+        runtime = Runtime.start(config, args.log_level, args.max_queued_requests)
         server, state = _make_server(config, args, runtime, started, listener.getsockname()[1])
 
         def on_child_death(reason: str) -> None:  # runs on the watchdog thread
@@ -231,6 +247,7 @@ def _make_server(
     from minisgl.server.app import create_app
     from minisgl.server.frontend import Frontend
     from minisgl.server.metrics import ServerMetrics
+    from minisgl.server.shutdown import GracefulServer
     from minisgl.server.state import ModelInfo, ServerState
 
     engine_info = runtime.infos["scheduler-tp0"]
@@ -241,7 +258,8 @@ def _make_server(
         engine=engine_info,
     )
     metrics = ServerMetrics()
-    state = ServerState(info, Frontend(runtime.addresses, metrics), metrics, int(time.time()))
+    frontend = Frontend(runtime.addresses, metrics, args.request_timeout)
+    state = ServerState(info, frontend, metrics, int(time.time()))
 
     def on_started() -> None:
         logger.info(
@@ -249,8 +267,12 @@ def _make_server(
             info.served_model_name, args.host, port, time.perf_counter() - started,
         )  # fmt: skip
 
-    app = create_app(state, on_started)
+    app = create_app(
+        state, on_started, api_key=args.api_key, max_request_bytes=args.max_request_bytes
+    )
+    # timeout_graceful_shutdown bounds only the last step, sending the answers of requests
+    # that were already finished or aborted: the drain itself is GracefulServer's job.
     cfg = uvicorn.Config(
         app, log_level=args.log_level.lower(), timeout_graceful_shutdown=3, access_log=False
     )
-    return uvicorn.Server(cfg), state
+    return GracefulServer(cfg, frontend, args.shutdown_timeout), state

@@ -59,6 +59,36 @@ class ServerMetrics:
         self.aborted_requests = Counter(
             "minisgl_client_aborts", "Sequences aborted because the client went away", registry=r
         )
+        self.rejected = Counter(
+            "minisgl_rejected_requests",
+            "HTTP requests refused before queueing, by reason",
+            ["reason"],  # unauthorized | body_too_large | queue_full | shutting_down
+            registry=r,
+        )
+        self.server_aborts = Counter(
+            "minisgl_server_aborts",
+            "Sequences the server aborted, by reason",
+            ["reason"],  # timeout | shutdown
+            registry=r,
+        )
+        self.scheduler_aborts = Counter(
+            "minisgl_scheduler_aborts",
+            "Sequences aborted in the scheduler (client gone, timeout, shutdown, stop string "
+            "seen by the detokenizer), by where they were",
+            ["phase"],  # waiting | prefill | decode
+            registry=r,
+        )
+        self.integrity_checks = Counter(
+            "minisgl_integrity_checks", "KV integrity checks run by the scheduler", registry=r
+        )
+        self.integrity_violations = Counter(
+            "minisgl_integrity_violations",
+            "KV integrity checks that failed (leaked or double-owned pages or rows)",
+            registry=r,
+        )
+        # Scheduler-side totals arrive as absolute numbers; counters only go up, so they are
+        # advanced by the difference from what was seen at the previous scrape.
+        self._seen: dict[str, int] = {}
         self.ttft = Histogram(
             "minisgl_time_to_first_token_seconds", "Time to first token",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -101,6 +131,18 @@ class ServerMetrics:
         self.kv_pages.labels("evictable").set(evictable)
         self.kv_pages.labels("total").set(total)
         self.hit_rate.set(stats["prefix_hit_rate"])
+        self._advance(self.integrity_checks, "integrity_checks", stats)
+        self._advance(self.integrity_violations, "integrity_violations", stats)
+        self._advance(self.rejected.labels("queue_full"), "rejected_queue_full", stats)
+        for phase in ("waiting", "prefill", "decode"):
+            self._advance(self.scheduler_aborts.labels(phase), f"aborts_{phase}", stats)
+
+    def _advance(self, counter: Any, key: str, stats: dict[str, Any]) -> None:
+        total = int(stats.get(key, 0))
+        delta = total - self._seen.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,7 +16,7 @@ from minisgl.server.errors import APIError, bad_request, sse_error
 from minisgl.server.frontend import RequestGroup, SequenceResult, ServiceUnavailable, make_items
 from minisgl.server.protocol import GenerateRequest, choice_params
 from minisgl.server.state import ServerState, server_state
-from minisgl.server.streaming import DONE, respond, sse
+from minisgl.server.streaming import DONE, open_choices, respond, sse
 
 router = APIRouter()
 
@@ -75,6 +75,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         results = [SequenceResult() for _ in group.rids]
         async for out in group.outputs(first):
             if out.error is not None:
+                for j in open_choices(results):
+                    results[j].finish_reason, results[j].error = "abort", out.error
+                    event = _item(ids[j], results[j], group.arrival, body.return_logprob)
+                    yield sse(event if single else {**event, "index": j})
                 yield sse_error(out.error_status or 500, out.error)
                 break
             i = group.index[out.rid]
@@ -99,7 +103,10 @@ async def _control(state: ServerState, kind: str, timeout: float) -> ControlRepl
         raise APIError(503, f"the engine is not available: {exc}") from None
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# Two registrations, not one api_route with both methods: each gets its own OpenAPI operation
+# id (a shared id makes the schema invalid for client generators and fuzzers).
+@router.get("/flush_cache")
+@router.post("/flush_cache")
 async def flush_cache(request: Request) -> Response:
     """Drop the prefix cache (waits until no request is running)."""
     reply = await _control(server_state(request), "flush_cache", IDLE_WAIT_S)

@@ -16,7 +16,7 @@ from minisgl.server.errors import bad_request, sse_error
 from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, choice_params
 from minisgl.server.state import server_state
-from minisgl.server.streaming import DONE, respond, sse, usage
+from minisgl.server.streaming import DONE, open_choices, respond, sse, usage
 
 router = APIRouter()
 
@@ -120,6 +120,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         results = [SequenceResult() for _ in group.rids]
         async for out in group.outputs(first):
             if out.error is not None:
+                # Every choice still open ends with finish_reason "abort", then the error says
+                # why (timeout, shutdown, engine failure).
+                for j in open_choices(results):
+                    yield chunk(j, {}, None, "abort")
                 yield sse_error(out.error_status or 500, out.error)
                 break
             i = group.index[out.rid]
@@ -179,6 +183,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         offsets = [0] * len(group.rids)
         async for out in group.outputs(first):
             if out.error is not None:
+                for j in open_choices(results):
+                    choice = {"index": j, "text": "", "logprobs": None, "finish_reason": "abort"}
+                    yield sse(env.wrap([choice], **extra))
                 yield sse_error(out.error_status or 500, out.error)
                 break
             i = group.index[out.rid]

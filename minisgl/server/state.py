@@ -9,7 +9,7 @@ from fastapi import Request
 
 from minisgl.ipc.messages import SubmitItem
 from minisgl.server.errors import APIError, bad_request
-from minisgl.server.frontend import Frontend, RequestGroup, ServiceUnavailable
+from minisgl.server.frontend import Draining, Frontend, RequestGroup, ServiceUnavailable
 from minisgl.server.metrics import ServerMetrics
 
 
@@ -35,6 +35,8 @@ class ServerState:
     def submit(self, items: list[SubmitItem]) -> RequestGroup:
         try:
             return self.frontend.submit(items)
+        except Draining as exc:
+            raise APIError(503, str(exc)) from None
         except ServiceUnavailable as exc:
             raise APIError(503, f"the engine is not available: {exc}") from None
         except ValueError as exc:

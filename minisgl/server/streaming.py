@@ -115,6 +115,11 @@ async def respond(
             group.close()
 
 
+def open_choices(results: list[SequenceResult]) -> list[int]:
+    """Indices of the choices that have not finished yet."""
+    return [i for i, r in enumerate(results) if r.finish_reason is None]
+
+
 def usage(results: list[SequenceResult], n: int) -> dict[str, Any]:
     """OpenAI usage: each prompt counted once (not once per choice), completions summed."""
     prompt = cached = 0

@@ -55,6 +55,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with an 8,192-token context: requests long enough to outlast a timeout,
+    a shutdown grace period or a prefill window, however fast the machine is."""
+    from tests.helpers import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-long-e2e") / "llama"
+    return make_tiny_model(path, "llama", max_position_embeddings=8192)
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_model: Path) -> Iterator[ServerHandle]:
     """The tiny random model, for tests where speed matters. Stopping it checks the SIGTERM
     path: exit code 0, every child gone, the run directory removed."""
