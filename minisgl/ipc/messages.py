@@ -124,6 +124,8 @@ class TokenOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     matched_stop: int | str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new id, when requested
+    # echo + logprobs: prompt tokens 1.. with their logprobs (first output only)
+    prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 0  # HTTP status for the error: 400 bad request, 500 internal
 
@@ -151,6 +153,7 @@ class TextOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_text: str | None = None  # first output only, when asked for
     prompt_token_strs: list[str] | None = None  # first output only, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # first output only, when asked for
     error: str | None = None
     error_status: int = 0
 

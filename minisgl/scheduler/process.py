@@ -286,6 +286,17 @@ class SchedulerLoop:
             finish_reason=req.finish_reason if req.finished else None,
             matched_stop=req.matched_stop if req.finished else None,
         )
+        if start == 0 and req.params.prompt_logprobs is not None:
+            out.prompt_logprobs = [
+                TokenLogprob(
+                    token_id=req.prompt_ids[i + 1],
+                    logprob=float(lp),
+                    top=[TopLogprob(int(t), float(v)) for t, v in req.prompt_top_logprobs[i]]
+                    if i < len(req.prompt_top_logprobs)
+                    else [],
+                )
+                for i, lp in enumerate(req.prompt_logprobs)
+            ]
         if req.params.wants_logprobs:
             lps = req.output_logprobs[start:] if req.params.logprobs else []
             tops = req.output_top_logprobs[start:]

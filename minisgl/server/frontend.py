@@ -57,6 +57,7 @@ class SequenceResult:
     matched_stop: int | str | None = None
     prompt_text: str | None = None
     prompt_token_strs: list[str] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 0
 
@@ -71,6 +72,8 @@ class SequenceResult:
             self.prompt_text = out.prompt_text
         if out.prompt_token_strs is not None:
             self.prompt_token_strs = out.prompt_token_strs
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.finish_reason is not None:
             self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
             self.error, self.error_status = out.error, out.error_status

@@ -51,16 +51,24 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], offset: int, prompt_tokens: list[str] | None = None
+    entries: list[TokenLogprob],
+    offset: int,
+    prompt_tokens: list[str] | None = None,
+    prompt_entries: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     """Legacy completions logprobs; text_offset counts from ``offset`` (the text before)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    # TODO: prompt logprobs (echo + logprobs) once the engine can return them; null for now.
+    # echo: the first prompt token has no logprob (nothing precedes it); token i >= 1 has
+    # the engine's log P(token i | tokens < i) and its top alternatives.
+    scored = prompt_entries or []
     rows: list[tuple[str, float | None, dict[str, float] | None]] = [
-        (tok, None, None) for tok in prompt_tokens or []
+        (tok, None, None)
+        if i == 0 or i > len(scored)
+        else (tok, scored[i - 1].logprob, {t.token: t.logprob for t in scored[i - 1].top} or None)
+        for i, tok in enumerate(prompt_tokens or [])
     ]
     rows += [(e.token, e.logprob, {t.token: t.logprob for t in e.top}) for e in entries]
     for token, logprob, alternatives in rows:
@@ -153,6 +161,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         raise bad_request(exc) from None
     n = fields["n"]
     want_logprobs = body.logprobs is not None
+    if body.echo and want_logprobs:
+        # Score the prompt too (what evaluation harnesses use for log-likelihoods).
+        fields["prompt_logprobs"] = int(body.logprobs or 0)
     items = make_items(
         prompts, [choice_params(fields, i) for i in range(n)],
         return_prompt_text=body.echo, return_prompt_tokens=body.echo and want_logprobs,
@@ -169,7 +180,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             logprobs = None
             if want_logprobs:
                 logprobs = completion_logprobs(
-                    r.logprobs, 0, r.prompt_token_strs if body.echo else None
+                    r.logprobs,
+                    0,
+                    r.prompt_token_strs if body.echo else None,
+                    r.prompt_logprobs if body.echo else None,
                 )
             choices.append(
                 {"index": i, "text": prefix + r.text, "logprobs": logprobs,
@@ -196,7 +210,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             logprobs = None
             if want_logprobs and (out.logprobs or out.prompt_token_strs):
                 logprobs = completion_logprobs(
-                    out.logprobs or [], offsets[i], out.prompt_token_strs
+                    out.logprobs or [], offsets[i], out.prompt_token_strs, out.prompt_logprobs
                 )
             offsets[i] += len(text)
             if out.finished or text or logprobs:

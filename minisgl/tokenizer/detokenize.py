@@ -86,7 +86,8 @@ class StopStringFilter:
         # Released text never ends in a partial stop, so a stop can only start in `pending`.
         hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if hits:
-            cut, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
+            # The stop that completes first wins, as when text arrives token by token.
+            cut, self.matched = min(hits, key=lambda h: (h[0] + len(h[1]), h[0]))
             out, self.pending = self.pending[:cut], ""
             return out
         keep = self._held_back()

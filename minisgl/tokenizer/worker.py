@@ -213,11 +213,10 @@ class Worker:
             reason, matched, finished = "stop", stream.stops.matched, True
         elif finished:
             text += stream.stops.flush()
-        if out.logprobs:
-            for lp in out.logprobs:
-                lp.token = self.token_text(lp.token_id)
-                for alt in lp.top:
-                    alt.token = self.token_text(alt.token_id)
+        for lp in (out.logprobs or []) + (out.prompt_logprobs or []):
+            lp.token = self.token_text(lp.token_id)
+            for alt in lp.top:
+                alt.token = self.token_text(alt.token_id)
         result = TextOutput(
             rid=out.rid,
             text=text,
@@ -228,6 +227,7 @@ class Worker:
             finish_reason=reason,
             matched_stop=matched,
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
         if stream.first:
             result.prompt_text = stream.prompt_text

@@ -124,6 +124,29 @@ def test_completions_prompt_forms_and_echo(client: openai.OpenAI, tokenizer: Any
     assert resp.usage.prompt_tokens == len(ids) + len(other)
 
 
+def test_completions_echo_scores_the_prompt(client: openai.OpenAI, tokenizer: Any) -> None:
+    """echo + logprobs: every prompt token but the first gets its logprob and alternatives."""
+    ids = tokenizer.encode(PROMPT)
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=2
+    )
+    # Not validated with the client's types: like vLLM and the legacy API, the first prompt
+    # token's logprob is null (nothing precedes it), which those types do not allow.
+    lp = resp.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(ids) + 2
+    assert lp.token_logprobs[0] is None
+    prompt_lps = lp.token_logprobs[1 : len(ids)]
+    assert all(v is not None and v <= 0 for v in prompt_lps)
+    for v, top in zip(prompt_lps, lp.top_logprobs[1 : len(ids)]):
+        assert top is not None and 1 <= len(top) <= 2 and max(top.values()) >= v - 1e-4
+    again = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=0
+    )
+    assert again.choices[0].logprobs.token_logprobs[1 : len(ids)] == pytest.approx(
+        prompt_lps, abs=1e-4
+    )
+
+
 def test_completions_stream_with_usage(client: openai.OpenAI, tokenizer: Any) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     chunks = list(

@@ -151,5 +151,6 @@ def test_any_chunking_gives_the_text_before_the_first_stop(
         out += released
         assert not any(s in out for s in stops)  # a stop string never leaks
     out += f.flush()
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    assert out == (text[: min(hits)] if hits else text)
+    # Streaming semantics: the stop string that is completed first cuts the text.
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    assert out == (text[: min(hits)[1]] if hits else text)
