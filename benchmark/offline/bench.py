@@ -11,7 +11,9 @@ output tokens. ``--scale`` shrinks both lengths (for CPU runs) keeping the shape
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import subprocess
 import sys
@@ -49,6 +51,9 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--output", default=None, help="append a JSON line with the result here")
     ap.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="cProfile the run, print top N"
+    )
+    ap.add_argument(
         "--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)"
     )
     args = ap.parse_args()
@@ -70,9 +75,17 @@ def main() -> None:
     ]
     llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0.6, max_tokens=16), use_tqdm=False)
     stats0 = dict(llm.scheduler.stats)
+    profiler = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
+    if profiler is not None:
+        profiler.enable()
     out = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        # Host time by function: where a CPU-bound step goes (cumulative, then own time).
+        for key in ("cumulative", "tottime"):
+            pstats.Stats(profiler).sort_stats(key).print_stats(args.profile)
     out_tokens = sum(len(r["token_ids"]) for r in out)
     assert out_tokens == sum(max_tokens), (out_tokens, sum(max_tokens))
     result = {
