@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.engine.staging import DeviceStager
 from minisgl.kernels import cdiv
 from minisgl.kernels.attention import decode_attention, extend_attention
 from minisgl.kernels.store import store_kv
@@ -87,8 +88,10 @@ class TritonBackend(AttentionBackend):
         decode_block_n: int = 64,
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
+        stager: DeviceStager | None = None,
     ) -> None:
         super().__init__(pool)
+        self.stager = stager
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
         self.num_sms = num_sms
@@ -136,14 +139,13 @@ class TritonBackend(AttentionBackend):
                 for q0 in range(0, e, block_m):
                     block_batch.append(i)
                     block_qstart.append(q0)
-        # One host-to-device copy for every index the kernels need.
+        # One host-to-device copy for every index the kernels need, each field 16-byte
+        # aligned (Triton specialises kernels on pointer alignment).
         fields = [layout.req_rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
-        flat = torch.tensor([x for f in fields for x in f], dtype=torch.int32)
-        if device.type == "cuda":
-            # Pinned + non_blocking: a pageable copy would wait for the batch in flight and
-            # undo overlap scheduling.
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        parts = flat.split([len(f) for f in fields])
+        stager = self.stager if self.stager is not None else DeviceStager(device)
+        parts = stager.stage(fields, torch.int32)
+        # Views of one buffer: copy_metadata refreshes a captured graph's with one copy.
+        flat = parts[0]._base if parts[0]._base is not None else parts[0]
         return TritonMetadata(
             is_decode=is_decode,
             batch=bsz,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from minisgl.attention.base import AttentionBackend, BatchLayout
@@ -17,7 +18,8 @@ from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.cuda_graph import CudaGraphRunner
-from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
+from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingRows
+from minisgl.engine.staging import DeviceStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import init_dummy_weights, iter_safetensors, load_weights
@@ -101,8 +103,9 @@ class Engine:
         # batches read and write it, and the spare page-table row points at it.
         self.scratch_slot = self.pool.num_pages * config.page_size
         self.page_table[-1].fill_(self.scratch_slot)
+        self.stager = DeviceStager(self.device)
         self.attn_backend = self._make_backend()
-        self.sampler = Sampler(use_compile=self.device.type == "cuda")
+        self.sampler = Sampler(use_triton=self.device.type == "cuda")
         self.penalties = PenaltyState(rows, cfg.vocab_size, self.device)
         # The token each table row sampled last: the next decode's input under overlap.
         self.last_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -174,7 +177,7 @@ class Engine:
         if name == "triton":
             from minisgl.attention.triton_backend import TritonBackend
 
-            return TritonBackend(self.pool)
+            return TritonBackend(self.pool, stager=self.stager)
         raise ValueError(f"attention_backend={name!r} is not available")
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
@@ -208,45 +211,42 @@ class Engine:
         positions: torch.Tensor,
         out_slots: torch.Tensor,
         sample_rows: list[int],
-        sampling: SamplingBatch | None,
-        penalty_slots: torch.Tensor | None = None,
+        sampling: SamplingRows | None,
+        use_penalties: bool = False,
         from_device: list[tuple[int, int]] = (),  # type: ignore[assignment]
         sample_table_rows: list[int] = (),  # type: ignore[assignment]
         prompt_lp: PromptLogprobRequest | None = None,
         spec: SpecRequest | None = None,
+        sample_steps: Sequence[int] = (),
     ) -> SampleResult | None:
         """Run the model on a batch and sample for the rows in ``sample_rows``.
 
-        ``from_device`` lists (flat position, table row) pairs whose input token is the one
-        the previous batch sampled for that row: it is read from ``last_tokens`` on the
-        device, so a batch can be launched before the previous one's samples reach the host.
+        ``sampling`` holds the sampling rows' parameters, ``sample_steps`` the output index
+        each of them samples, ``sample_table_rows`` their page-table rows (which also index
+        penalty state when ``use_penalties``). ``from_device`` lists (flat position, table
+        row) pairs whose input token is the one the previous batch sampled for that row: it
+        is read from ``last_tokens`` on the device, so a batch can be launched before the
+        previous one's samples reach the host.
         """
-        ends = torch.tensor(layout.extend_lens).cumsum(0) - 1
-        logits_index = (
-            ends[torch.tensor(sample_rows, dtype=torch.long)] if sample_rows else ends[:0]
-        )
+        ends = np.cumsum(layout.extend_lens) - 1
+        index_parts = [ends[np.asarray(sample_rows, dtype=np.int64)]]
         if prompt_lp is not None:
             # Prompt positions whose logits score the next prompt token ride along after
             # the sampling rows' last tokens.
-            logits_index = torch.cat(
-                [logits_index, torch.tensor(prompt_lp.index, dtype=torch.long)]
-            )
+            index_parts.append(np.asarray(prompt_lp.index, dtype=np.int64))
         if spec is not None:
-            logits_index = torch.cat([logits_index, torch.tensor(spec.index, dtype=torch.long)])
+            index_parts.append(np.asarray(spec.index, dtype=np.int64))
+        logits_index = np.concatenate(index_parts)
         pos_dev, rows_dev = zip(*from_device) if from_device else ((), ())
         # Every index this step needs travels in one pinned buffer and one copy.
-        parts = [
-            torch.tensor(input_ids, dtype=torch.long),
-            positions,
-            out_slots,
-            logits_index,
-            torch.tensor(pos_dev, dtype=torch.long),
-            torch.tensor(rows_dev, dtype=torch.long),
-            torch.tensor(sample_table_rows, dtype=torch.long),
-        ]
-        ids, pos, slots, logits_idx, fd_pos, fd_rows, sample_rows_dev = self.to_device(
-            torch.cat(parts)
-        ).split([len(t) for t in parts])
+        staged = self.stager.stage(
+            [
+                input_ids, positions, out_slots, logits_index, pos_dev, rows_dev,
+                sample_table_rows, sample_steps,
+            ],
+            torch.long,
+        )  # fmt: skip
+        ids, pos, slots, logits_idx, fd_pos, fd_rows, sample_rows_dev, steps_dev = staged
         if from_device:
             ids[fd_pos] = self.last_tokens[fd_rows]
         if (
@@ -279,8 +279,12 @@ class Engine:
             if prompt_lp is None and spec is None:
                 return None
             return SampleResult.start_copy(None, extra)
+        penalty_slots = sample_rows_dev if use_penalties else None
         out = self.sampler.sample(
-            logits, sampling, self.penalties if penalty_slots is not None else None, penalty_slots
+            logits,
+            sampling.batch(steps_dev),
+            self.penalties if use_penalties else None,
+            penalty_slots,
         )
         self.last_tokens[sample_rows_dev] = out.next_tokens
         if penalty_slots is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -155,11 +156,39 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         """Host lists -> device tensors; steps[i] is the output index row i is sampling."""
+        steps_dev = _h2d(torch.tensor(list(steps), dtype=torch.int64), device)
+        return SamplingRows.build(params, seeds).batch(steps_dev)
+
+
+@dataclass
+class SamplingRows:
+    """The step-independent part of a SamplingBatch: per-row parameters and flags.
+
+    A decode batch keeps the same rows for many steps, so the scheduler reuses one
+    SamplingRows until the batch's membership changes; its device copy is made once.
+    """
+
+    floats: np.ndarray  # [6, B] temperature, top_p, min_p, repetition, frequency, presence
+    ints: np.ndarray  # [2, B] top_k, seed
+    need_rep: bool
+    need_freq: bool
+    need_pres: bool
+    n_sampled: int  # rows that sample (the others are greedy)
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    max_top_k: int
+    need_logprobs: bool
+    max_top_logprobs: int
+    _device: tuple[Tensor, Tensor] | None = None
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingRows:
         fl: list[tuple[float, ...]] = []  # one row per request; transposed below
-        ints: list[tuple[int, int, int]] = []
+        ints: list[tuple[int, int]] = []
         n_sampled = max_k = 0
         need_k = need_p = need_min_p = need_rep = need_freq = need_pres = False
-        for p, seed, step in zip(params, seeds, steps, strict=True):
+        for p, seed in zip(params, seeds, strict=True):
             rep, freq, pres = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
             need_rep, need_freq = need_rep or rep != 1.0, need_freq or freq != 0.0
             need_pres = need_pres or pres != 0.0
@@ -174,29 +203,50 @@ class SamplingBatch:
                 need_min_p = need_min_p or p.min_p > 0.0
                 max_k = max(max_k, k)
                 fl.append((p.temperature, p.top_p, p.min_p, rep, freq, pres))
-            ints.append((k, _i64(seed), step))
-        # Two packed host tensors -> two H2D copies per step instead of nine.
-        f_host = torch.tensor(fl, dtype=torch.float32).reshape(-1, 6).T.contiguous()
-        i_host = torch.tensor(ints, dtype=torch.int64).reshape(-1, 3).T.contiguous()
-        f, i = _h2d(f_host, device), _h2d(i_host, device)
+            ints.append((k, _i64(seed)))
         return cls(
-            temperatures=f[0],
-            top_ps=f[1],
-            top_ks=i[0],
-            min_ps=f[2],
-            seeds=i[1],
-            steps=i[2],
-            repetition_penalties=f[3] if need_rep else None,
-            frequency_penalties=f[4] if need_freq else None,
-            presence_penalties=f[5] if need_pres else None,
-            all_greedy=n_sampled == 0,
-            any_greedy=n_sampled < len(params),
+            floats=np.asarray(fl, dtype=np.float32).reshape(-1, 6).T.copy(),
+            ints=np.asarray(ints, dtype=np.int64).reshape(-1, 2).T.copy(),
+            need_rep=need_rep,
+            need_freq=need_freq,
+            need_pres=need_pres,
+            n_sampled=n_sampled,
             need_top_k=need_k,
             need_top_p=need_p,
             need_min_p=need_min_p,
             max_top_k=max_k,
             need_logprobs=any(p.wants_logprobs for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
+        )
+
+    def __len__(self) -> int:
+        return self.floats.shape[1]
+
+    def batch(self, steps: Tensor) -> SamplingBatch:
+        """The SamplingBatch for one step; ``steps`` [B] int64 is already on the device."""
+        if self._device is None or self._device[0].device != steps.device:
+            f = _h2d(torch.from_numpy(self.floats), steps.device)
+            i = _h2d(torch.from_numpy(self.ints), steps.device)
+            self._device = (f, i)
+        f, i = self._device
+        return SamplingBatch(
+            temperatures=f[0],
+            top_ps=f[1],
+            top_ks=i[0],
+            min_ps=f[2],
+            seeds=i[1],
+            steps=steps,
+            repetition_penalties=f[3] if self.need_rep else None,
+            frequency_penalties=f[4] if self.need_freq else None,
+            presence_penalties=f[5] if self.need_pres else None,
+            all_greedy=self.n_sampled == 0,
+            any_greedy=self.n_sampled < len(self),
+            need_top_k=self.need_top_k,
+            need_top_p=self.need_top_p,
+            need_min_p=self.need_min_p,
+            max_top_k=self.max_top_k,
+            need_logprobs=self.need_logprobs,
+            max_top_logprobs=self.max_top_logprobs,
         )
 
 
@@ -209,12 +259,15 @@ class SampleOutput:
 
 
 class Sampler:
-    def __init__(self, use_compile: bool = False) -> None:
-        # Eager, the [B, V] hash is ~20 memory passes (~3 ms at B=256, V=152k, H200); compiled,
-        # one kernel. Its float logs may round unlike eager's: keep one Sampler per run.
-        self._race: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = (
-            torch.compile(race, dynamic=True) if use_compile else race
-        )
+    def __init__(self, use_triton: bool = False) -> None:
+        # Eager, the [B, V] hash is ~20 memory passes (~3 ms at B=256, V=152k, H200); the
+        # Triton kernel is one. Its float logs may round unlike eager's by a few ulps: keep
+        # one Sampler per run.
+        self._race: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = race
+        if use_triton:
+            from minisgl.kernels.sampling import triton_race
+
+            self._race = triton_race
 
     def sample(
         self,

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Pair and tile counts change every batch: not specialised, so no mid-run compiles.
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,

@@ -20,7 +20,9 @@ from minisgl.kernels import cdiv
 _TILE = 2048
 
 
-@triton.jit
+# The row count changes every batch: specialising on it (== 1, divisible by 16) would
+# compile new variants while serving.
+@triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,

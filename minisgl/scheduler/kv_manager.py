@@ -11,6 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from minisgl.engine.staging import DeviceStager
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.prefix_cache import PrefixCache
@@ -26,8 +27,10 @@ class KVManager:
         page_size: int,
         max_requests: int,
         cache_kind: str,
+        stager: DeviceStager | None = None,
     ) -> None:
         self.page_size = page_size
+        self.stager = stager or DeviceStager(page_table.device)
         self.device_table = page_table
         # The host mirror is what the scheduler reads; on CPU it is the same tensor.
         self.host_table = (
@@ -81,12 +84,21 @@ class KVManager:
         """Make room in the row for ``new_tokens`` more tokens after kv_len."""
         return self.allocate_batch([req], [new_tokens])
 
-    def allocate_batch(self, reqs: list[Req], new_tokens: list[int]) -> bool:
+    def pages_needed(self, reqs: list[Req], new_tokens: list[int]) -> list[int]:
+        """pages_for of each request (inlined: this runs over every decode row each step)."""
+        ps = self.page_size
+        return [max(0, -(-(r.kv_len + n - r.alloc_len) // ps)) for r, n in zip(reqs, new_tokens)]
+
+    def allocate_batch(
+        self, reqs: list[Req], new_tokens: list[int], needs: list[int] | None = None
+    ) -> bool:
         """Allocate for many requests with one allocator call and one table write.
 
         All or nothing: returns False (allocating nothing) if the pages are not there.
+        ``needs`` may pass pages_needed(reqs, new_tokens) when the caller has it.
         """
-        needs = [self.pages_for(r, n) for r, n in zip(reqs, new_tokens)]
+        if needs is None:
+            needs = self.pages_needed(reqs, new_tokens)
         total = sum(needs)
         if total == 0:
             return True
@@ -150,10 +162,9 @@ class KVManager:
         if self.device_table is not self.host_table:
             rows = torch.cat([r for r, _ in self._dirty])
             cols = torch.cat([c for _, c in self._dirty])
-            # One pinned buffer, one copy: (rows, cols, values) stacked.
-            packed = torch.stack([rows, cols, self.host_table[rows, cols]]).pin_memory()
-            dev = packed.to(self.device_table.device, non_blocking=True)
-            self.device_table[dev[0], dev[1]] = dev[2]
+            # One pinned buffer, one copy: rows, cols and values side by side.
+            r, c, v = self.stager.stage([rows, cols, self.host_table[rows, cols]], torch.long)
+            self.device_table[r, c] = v
         self._dirty.clear()
 
     def slots(self, req: Req, start: int, end: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ from minisgl.engine.engine import (
     SampleResult,
     SpecRequest,
 )
-from minisgl.engine.sampler import SamplingBatch
+from minisgl.engine.sampler import SamplingRows
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.kv_manager import KVManager, ranges
 from minisgl.scheduler.request import Req, ReqState
@@ -79,6 +79,7 @@ class Scheduler:
             cfg.page_size,
             cfg.max_running_requests,
             cfg.cache,
+            engine.stager,
         )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -99,6 +100,9 @@ class Scheduler:
             "process_s": 0.0,
         }
         self.num_retractions = 0
+        # The last step's sampling rows, reused while the same requests sample.
+        self._sampling: SamplingRows | None = None
+        self._sampling_key: tuple[tuple[int, ...], bool] = ((), False)
 
     # ------------------------------------------------------------ requests
     def check_prompt(self, prompt_ids: Sequence[int]) -> None:
@@ -181,11 +185,7 @@ class Scheduler:
 
     def _schedule(self) -> list[_Row]:
         mixed = not self.config.disable_mixed_batch
-        decodes = sorted(
-            (r for r in self.running if r.pending == 1 and not self._done_when_landed(r)),
-            key=lambda r: r.uid,
-        )
-        partial = [r for r in self.running if r.pending > 1]
+        decodes, partial = self._split_running()
         rows: list[_Row] = []
         if mixed or not (partial or self.waiting):
             rows = self._schedule_decodes(decodes)
@@ -199,25 +199,43 @@ class Scheduler:
             self._retract(max(self.running, key=lambda r: r.admit_order))
         return rows
 
-    def _done_when_landed(self, req: Req) -> bool:
-        """A request whose in-flight token is its last needs no further step."""
-        return req.inflight > 0 and (
-            req.num_generated >= req.params.max_tokens or req.num_tokens >= self.context_length
-        )
+    def _split_running(self) -> tuple[list[Req], list[Req]]:
+        """Running requests that decode next (by uid, so every TP rank orders them alike)
+        and those with prompt tokens still to prefill. A request whose in-flight token is
+        its last needs no further step. One pass with the properties inlined: this runs
+        over every running request on every step."""
+        decodes: list[Req] = []
+        partial: list[Req] = []
+        ctx = self.context_length
+        for r in self.running:
+            n_out = len(r.output_ids) + r.inflight
+            n_tok = len(r.prompt_ids) + n_out
+            pending = n_tok - r.kv_len
+            if pending == 1:
+                if r.inflight and (n_out >= r.params.max_tokens or n_tok >= ctx):
+                    continue
+                decodes.append(r)
+            elif pending > 1:
+                partial.append(r)
+        decodes.sort(key=_uid)
+        return decodes, partial
 
     def _schedule_decodes(self, decodes: list[Req]) -> list[_Row]:
         for r in decodes:
             r.draft = self._propose(r) if self.spec_k else []
-        need = sum(self.kv.pages_for(r, 1 + len(r.draft)) for r in decodes)
+        new_tokens = [1 + len(r.draft) for r in decodes]
+        needs = self.kv.pages_needed(decodes, new_tokens)
+        need = sum(needs)
         while decodes and need > self.kv.available_pages:
-            victim = max(decodes, key=lambda r: r.admit_order)
-            decodes.remove(victim)
-            need -= self.kv.pages_for(victim, 1 + len(victim.draft))
+            i = max(range(len(decodes)), key=lambda j: decodes[j].admit_order)
+            victim = decodes.pop(i)
+            need -= needs.pop(i)
+            new_tokens.pop(i)
             victim.draft = []
             self._retract(victim)
-        ok = self.kv.allocate_batch(decodes, [1 + len(r.draft) for r in decodes])
+        ok = self.kv.allocate_batch(decodes, new_tokens, needs)
         assert ok, "decode allocation failed after the capacity check"
-        return [_Row(r, 1 + len(r.draft), True, bool(r.draft)) for r in decodes]
+        return [_Row(r, n, True, n > 1) for r, n in zip(decodes, new_tokens)]
 
     def _propose(self, req: Req) -> list[int]:
         """N-gram draft for a decode row, for the sampling modes verification covers exactly."""
@@ -347,6 +365,14 @@ class Scheduler:
         prompt_lp_reqs: list[tuple[Req, int]] = []
         for r in rows:
             req, start, end = r.req, r.req.kv_len, r.req.kv_len + r.extend
+            if r.extend == 1 and req.output_ids and req.params.prompt_logprobs is None:
+                # Decode (the common row): the one input is the newest token, known or not.
+                if req.inflight:
+                    from_device.append((len(input_ids), req.row))
+                    input_ids.append(0)
+                else:
+                    input_ids.append(req.output_ids[-1])
+                continue
             if req.params.prompt_logprobs is not None:
                 # Positions p predict prompt token p + 1; skip what was reported before a retraction.
                 lo = max(start, len(req.prompt_logprobs))
@@ -372,17 +398,7 @@ class Scheduler:
         sample_idx = [i for i, r in enumerate(rows) if r.samples and not r.spec]
         sampled = [rows[i].req for i in sample_idx]
         spec = self._spec_request([r for r in rows if r.spec], layout.extend_lens, rows)
-        sampling = None
-        penalty_slots = None
-        if sampled:
-            sampling = SamplingBatch.build(
-                [q.params for q in sampled],
-                [q.seed for q in sampled],
-                [q.num_generated for q in sampled],
-                self.engine.device,
-            )
-            if any(_uses_penalties(q) for q in sampled):
-                penalty_slots = self.engine.to_device([q.row for q in sampled])
+        sampling = self._sampling_rows(sampled) if sampled else None
         prompt_lp = None
         if prompt_lp_reqs:
             k = max(q.params.prompt_logprobs or 0 for q, _ in prompt_lp_reqs)
@@ -394,11 +410,12 @@ class Scheduler:
             out_slots,
             sample_idx,
             sampling,
-            penalty_slots,
+            self._sampling_key[1] if sampled else False,
             from_device,
             [q.row for q in sampled],
             prompt_lp,
             spec,
+            [q.num_generated for q in sampled],
         )
         for r in rows:
             r.req.kv_len += r.extend
@@ -411,6 +428,17 @@ class Scheduler:
             if r.extend > 1 and not r.spec:  # drafts are unverified: never cache them
                 self.kv.cache_prefix(r.req)  # share prompt prefixes with requests still waiting
         return _InFlight(sampled, out, prompt_lp_reqs, [r.req for r in rows if r.spec])
+
+    def _sampling_rows(self, sampled: list[Req]) -> SamplingRows:
+        """Sampling parameters of these rows; rebuilt only when the rows change (a decode
+        batch keeps its members for many steps)."""
+        key = tuple(q.uid for q in sampled)
+        if key != self._sampling_key[0] or self._sampling is None:
+            self._sampling = SamplingRows.build(
+                [q.params for q in sampled], [q.seed for q in sampled]
+            )
+            self._sampling_key = (key, any(_uses_penalties(q) for q in sampled))
+        return self._sampling
 
     def _spec_request(
         self, spec_rows: list[_Row], extend_lens: list[int], rows: list[_Row]
@@ -532,6 +560,10 @@ def overlap_default(device_type: str, disabled: bool) -> bool:
     """Overlap on CUDA unless switched off by the flag or MINISGL_DISABLE_OVERLAP_SCHEDULING."""
     env = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "").strip().lower()
     return device_type == "cuda" and not disabled and env not in ("1", "true", "yes", "on")
+
+
+def _uid(req: Req) -> int:
+    return req.uid
 
 
 def _uses_penalties(req: Req) -> bool:

@@ -16,7 +16,8 @@ from minisgl import LLM, SamplingParams
 from minisgl.layers.moe import moe_reference
 from tests.conftest import assert_engine_clean
 from tests.helpers import make_tiny_model
-from tests.unit.test_moe import CHECKS, Skip, moe_case
+from tests.kernel_checks import Skip
+from tests.unit.test_moe import CHECKS, moe_case
 
 pytestmark = [
     pytest.mark.gpu,

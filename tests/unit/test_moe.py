@@ -7,33 +7,29 @@ test_fused_ops.py. tests/gpu/test_moe_gpu.py runs the same checks on CUDA.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 import sys
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+if __name__ == "__main__":  # the interpreter child: make `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
 from minisgl.distributed import TPInfo
 from minisgl.layers.moe import SparseMoE, moe_reference, select_experts
 from minisgl.models.config import ModelConfig
+from tests import kernel_checks  # noqa: E402
+from tests.kernel_checks import Skip  # noqa: E402
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # Half precision: a few ulps of the output scale (the interpreter also truncates bf16 casts).
 TOL = {F32: (1e-5, 1e-5), F16: (4e-3, 4e-3), BF16: (4e-2, 4e-2)}
 PROMPTS = [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17, 18], [3] * 21, list(range(40, 73))]
 N_NEW = 24
-
-
-class Skip(Exception):
-    """Raised by a check that cannot run on this device."""
 
 
 def moe_case(
@@ -127,44 +123,13 @@ def check_fused_no_host_sync(device: torch.device) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
-CHECKS: dict[str, Callable[[torch.device], None]] = {
-    name.removeprefix("check_"): fn for name, fn in globals().items() if name.startswith("check_")
-}
-
-
-def run_checks(device: torch.device) -> dict[str, str]:
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn(device)
-            results[name] = "passed"
-        except Skip as e:
-            results[name] = f"skipped: {e}"
-        except Exception:
-            results[name] = "failed: " + traceback.format_exc()
-    return results
-
-
-@functools.cache
-def _interpreter_results() -> dict[str, str]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        msg = f"child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-        return dict.fromkeys(CHECKS, "failed: " + msg)
-    return json.loads(lines[-1])
+CHECKS = kernel_checks.collect(globals())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_kernel_interpreted(name: str) -> None:
-    outcome = _interpreter_results()[name]
-    if outcome.startswith("skipped: "):
-        pytest.skip(outcome.removeprefix("skipped: "))
-    assert outcome == "passed", outcome
+    kernel_checks.interpreted(__file__, name)
 
 
 # ---- the layer and whole models against transformers ----
@@ -287,5 +252,4 @@ def test_config_reads_transformers5_expert_count(moe_ckpts: dict[str, Path]) -> 
 
 
 if __name__ == "__main__":
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(run_checks(torch.device("cpu"))))
+    kernel_checks.main(CHECKS)

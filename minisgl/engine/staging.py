@@ -1,0 +1,88 @@
+"""Host-to-device staging: a step's index arrays packed into one pinned buffer, one copy.
+
+Two things make this more than ``torch.tensor(...).pin_memory().to(device)``:
+
+* ``pin_memory()`` allocates page-locked memory on every call; a small ring of pinned
+  buffers, each reused once the copy that last read it has run (an event says so), avoids
+  that cost on every step.
+* Every segment starts 16-byte aligned. Triton specialises a kernel on whether each pointer
+  argument is 16-byte aligned, so views at arbitrary offsets of a packed buffer would make it
+  compile new variants (a second or more each) in the middle of serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+_ALIGN_BYTES = 16
+_NP_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+
+Segment = Sequence[int] | Sequence[float] | np.ndarray | torch.Tensor
+
+
+def _aligned(n: int, itemsize: int) -> int:
+    per = _ALIGN_BYTES // itemsize
+    return -(-n // per) * per
+
+
+class DeviceStager:
+    """Packs host segments of one dtype and copies them to ``device`` with one transfer."""
+
+    def __init__(self, device: torch.device, ring: int = 8) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._next = 0
+        self._ring_size = ring
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A pinned byte buffer no pending copy reads from (grown when too small)."""
+        i = self._next
+        self._next = (i + 1) % self._ring_size
+        if i < len(self._ring):
+            buf, event = self._ring[i]
+            if event is not None:
+                event.synchronize()  # the copy that last read it has run (normally long ago)
+            if buf.numel() >= nbytes:
+                return buf
+        buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        if i < len(self._ring):
+            self._ring[i] = (buf, None)
+        else:
+            self._ring.append((buf, None))
+        return buf
+
+    def stage(self, segments: Sequence[Segment], dtype: torch.dtype) -> list[torch.Tensor]:
+        """Device tensors holding ``segments`` (views of one buffer, each 16-byte aligned)."""
+        np_dtype = _NP_DTYPES[dtype]
+        arrays = [_as_array(s, np_dtype) for s in segments]
+        itemsize = np.dtype(np_dtype).itemsize
+        offsets, total = [], 0
+        for a in arrays:
+            offsets.append(total)
+            total += _aligned(len(a), itemsize)
+        if not self.pinned:
+            flat = torch.zeros(total, dtype=dtype)
+            host = flat.numpy()
+            for a, off in zip(arrays, offsets):
+                host[off : off + len(a)] = a
+            return [flat[off : off + len(a)] for a, off in zip(arrays, offsets)]
+        slot = self._next
+        raw = self._buffer(total * itemsize)
+        host = raw[: total * itemsize].view(dtype).numpy()
+        for a, off in zip(arrays, offsets):
+            host[off : off + len(a)] = a
+        dev = raw[: total * itemsize].view(dtype).to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._ring[slot] = (raw, event)
+        return [dev[off : off + len(a)] for a, off in zip(arrays, offsets)]
+
+
+def _as_array(s: Segment, np_dtype: type) -> np.ndarray:
+    if isinstance(s, torch.Tensor):
+        return s.numpy().astype(np_dtype, copy=False)
+    return np.asarray(s, dtype=np_dtype)

@@ -1,0 +1,85 @@
+"""Running Triton kernel checks under the interpreter on CPU and natively on CUDA.
+
+triton only honours TRITON_INTERPRET if it is set before its first import, and other test
+modules may import triton first. So a test module collects its ``check_*`` functions, runs
+them all in one child process started with the variable set (the module run as a script
+prints a JSON verdict per check), and each pytest test asserts on its entry. On CUDA the
+same checks run in-process under the ``gpu`` marker.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+Check = Callable[[torch.device], None]
+
+
+class Skip(Exception):
+    """Raised by a check that cannot run on this device."""
+
+
+def collect(namespace: dict[str, Any]) -> dict[str, Check]:
+    """The module's ``check_<name>`` functions, by name."""
+    return {n.removeprefix("check_"): f for n, f in namespace.items() if n.startswith("check_")}
+
+
+def run_checks(checks: dict[str, Check], device: torch.device) -> dict[str, str]:
+    """name -> "passed", "skipped: why" or "failed: traceback"."""
+    results = {}
+    for name, fn in checks.items():
+        try:
+            fn(device)
+            results[name] = "passed"
+        except Skip as e:
+            results[name] = f"skipped: {e}"
+        except Exception:
+            results[name] = "failed: " + traceback.format_exc()
+    return results
+
+
+@functools.cache
+def _child_results(script: str) -> dict[str, str] | str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=900
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return f"child exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return dict(json.loads(lines[-1]))
+
+
+def interpreted(script: str, name: str) -> None:
+    """Assert on check ``name`` of ``script`` run under the interpreter (one child per file)."""
+    results = _child_results(script)
+    outcome = results.get(name, "failed: no result") if isinstance(results, dict) else results
+    report(outcome if isinstance(results, dict) else "failed: " + results)
+
+
+def on_gpu(checks: dict[str, Check], name: str) -> None:
+    try:
+        checks[name](torch.device("cuda"))
+    except Skip as e:
+        pytest.skip(str(e))
+
+
+def report(outcome: str) -> None:
+    if outcome.startswith("skipped: "):
+        pytest.skip(outcome.removeprefix("skipped: "))
+    assert outcome == "passed", outcome
+
+
+def main(checks: dict[str, Check]) -> None:
+    """The child's entry point: run every check on the CPU, print the verdicts."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    print(json.dumps(run_checks(checks, torch.device("cpu"))))
