@@ -143,9 +143,8 @@ class TritonBackend(AttentionBackend):
         # aligned (Triton specialises kernels on pointer alignment).
         fields = [layout.req_rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
         stager = self.stager if self.stager is not None else DeviceStager(device)
-        parts = stager.stage(fields, torch.int32)
         # Views of one buffer: copy_metadata refreshes a captured graph's with one copy.
-        flat = parts[0]._base if parts[0]._base is not None else parts[0]
+        flat, parts = stager.stage_flat(fields, torch.int32)
         return TritonMetadata(
             is_decode=is_decode,
             batch=bsz,

@@ -57,6 +57,13 @@ class DeviceStager:
 
     def stage(self, segments: Sequence[Segment], dtype: torch.dtype) -> list[torch.Tensor]:
         """Device tensors holding ``segments`` (views of one buffer, each 16-byte aligned)."""
+        return self.stage_flat(segments, dtype)[1]
+
+    def stage_flat(
+        self, segments: Sequence[Segment], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """As ``stage``, plus the one device buffer the views share (views made under
+        inference mode do not record their ``_base``)."""
         np_dtype = _NP_DTYPES[dtype]
         arrays = [_as_array(s, np_dtype) for s in segments]
         itemsize = np.dtype(np_dtype).itemsize
@@ -69,7 +76,7 @@ class DeviceStager:
             host = flat.numpy()
             for a, off in zip(arrays, offsets):
                 host[off : off + len(a)] = a
-            return [flat[off : off + len(a)] for a, off in zip(arrays, offsets)]
+            return flat, [flat[off : off + len(a)] for a, off in zip(arrays, offsets)]
         slot = self._next
         raw = self._buffer(total * itemsize)
         host = raw[: total * itemsize].view(dtype).numpy()
@@ -79,7 +86,7 @@ class DeviceStager:
         event = torch.cuda.Event()
         event.record()
         self._ring[slot] = (raw, event)
-        return [dev[off : off + len(a)] for a, off in zip(arrays, offsets)]
+        return dev, [dev[off : off + len(a)] for a, off in zip(arrays, offsets)]
 
 
 def _as_array(s: Segment, np_dtype: type) -> np.ndarray:
