@@ -20,7 +20,9 @@ class EngineConfig:
     num_pages: int | None = None  # KV pool size in pages; default from the memory budget
     mem_fraction_static: float = 0.85  # GPU: share of device memory for weights + KV
     cpu_kv_cache_gb: float = 1.0  # CPU: KV pool budget
-    max_running_requests: int = 256
+    # None = auto: 1024 on CUDA (a wave of admissions rarely waits for a slot: measured on
+    # the H200 shared-prefix benchmark, see benchmark/RESULTS.md), 256 on CPU.
+    max_running_requests: int | None = None
     chunked_prefill_size: int = 8192  # token budget per step
     disable_mixed_batch: bool = False
     cache: str = "radix"  # radix | naive
@@ -45,7 +47,7 @@ class EngineConfig:
         _check(self.page_size >= 1, "page_size", self.page_size, "must be >= 1")
         _check(self.num_pages is None or self.num_pages >= 2, "num_pages", self.num_pages, ">= 2")
         _check(
-            self.max_running_requests >= 1,
+            self.max_running_requests is None or self.max_running_requests >= 1,
             "max_running_requests",
             self.max_running_requests,
             ">= 1",

@@ -73,6 +73,15 @@ def decode_split_cap(batch: int, num_kv_heads: int, num_sms: int, max_splits: in
     return max(1, min(max_splits, cdiv(2 * num_sms, max(1, batch * num_kv_heads))))
 
 
+def _decode_launch(max_splits: int) -> dict[str, int]:
+    """Warps and pipeline depth of the decode kernel (tile sweep on the H200,
+    benchmark/gpu/sweep_decode.py): unsplit big batches stream KV best with 2 warps and 3
+    stages (4.1 vs 3.2 TB/s at 256 x 1024 tokens), split small batches with 4 warps."""
+    return (
+        {"num_warps": 2, "num_stages": 3} if max_splits == 1 else {"num_warps": 4, "num_stages": 2}
+    )
+
+
 class TritonBackend(AttentionBackend):
     # Decode launch shapes depend only on the batch size, so a CUDA graph captured on one
     # batch's metadata replays any same-size decode batch after copy_metadata.
@@ -85,7 +94,7 @@ class TritonBackend(AttentionBackend):
         max_kv_splits: int = 16,
         min_split_tokens: int = 256,
         num_sms: int | None = None,
-        decode_block_n: int = 64,
+        decode_block_n: int = 32,
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         stager: DeviceStager | None = None,
@@ -189,6 +198,7 @@ class TritonBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
                 md.max_splits, scale, block_n=self.decode_block_n,
+                **_decode_launch(md.max_splits),
             )  # fmt: skip
         return extend_attention(
             q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,

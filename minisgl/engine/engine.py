@@ -88,6 +88,9 @@ class Engine:
         cfg = self.model_config
         # An explicit context_length may exceed the model's (as SGLang's --context-length).
         self.context_length = config.context_length or cfg.max_position
+        self.max_running_requests = config.max_running_requests or (
+            1024 if self.device.type == "cuda" else 256
+        )
         torch.manual_seed(config.seed)
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = build_model(cfg, self.tp, max(self.context_length, cfg.max_position))
@@ -96,7 +99,7 @@ class Engine:
         self.pool = self._make_pool()
         # The context cannot exceed what the pool holds (minus one page of slack).
         self.context_length = min(self.context_length, (self.pool.num_pages - 1) * config.page_size)
-        rows = config.max_running_requests + 1  # the extra row is scratch for padding
+        rows = self.max_running_requests + 1  # the extra row is scratch for padding
         width = self.context_length + config.page_size
         self.page_table = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
         # The pool has one page more than the allocator hands out: padding rows of CUDA-graph
@@ -140,7 +143,7 @@ class Engine:
             else:
                 budget = int(c.cpu_kv_cache_gb * (1 << 30))
             # Never more than every request at full context could use.
-            want = c.max_running_requests * self.context_length // c.page_size + 1
+            want = self.max_running_requests * self.context_length // c.page_size + 1
             num_pages = max(2, min(budget // per_page, want))
         if self.tp.size > 1:
             t = torch.tensor(
@@ -191,7 +194,7 @@ class Engine:
         if max_bs is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             max_bs = 256 if total > 80 * 2**30 else 160
-        return CudaGraphRunner(self, min(max_bs, c.max_running_requests))
+        return CudaGraphRunner(self, min(max_bs, self.max_running_requests))
 
     # ---------------------------------------------------------------- step
     def to_device(

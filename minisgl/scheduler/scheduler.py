@@ -77,7 +77,7 @@ class Scheduler:
             engine.page_table,
             engine.pool.num_pages,
             cfg.page_size,
-            cfg.max_running_requests,
+            engine.max_running_requests,
             cfg.cache,
             engine.stager,
         )
