@@ -3,6 +3,8 @@
     python -m minisgl --shell [engine flags]
 
 /reset clears the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops the current answer.
+With --tp-size N the shell is rank 0 of an offline TP run (see minisgl/llm.py): it spawns the
+other ranks, and they leave with it.
 Sampling can be tuned with MINISGL_SHELL_TEMPERATURE, MINISGL_SHELL_TOP_P and
 MINISGL_SHELL_MAX_TOKENS.
 """
@@ -10,6 +12,7 @@ MINISGL_SHELL_MAX_TOKENS.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -37,18 +40,19 @@ class ChatSession:
     """A conversation with the in-process scheduler; answers are streamed to ``write``."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from minisgl.engine.engine import Engine
-        from minisgl.scheduler.scheduler import Scheduler
-        from minisgl.tokenizer import load_tokenizer
+        from minisgl.llm import LLM
 
-        self.engine = Engine(config)
-        self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
-        self.scheduler = Scheduler(self.engine, decode=self._decode)
+        # The offline LLM builds the engine, tokenizer and scheduler; with TP its scheduler
+        # mirrors every call to the other ranks, which it starts and stops.
+        self.llm = LLM(**dataclasses.asdict(config))
+        self.engine = self.llm.engine
+        self.tokenizer = self.llm.tokenizer
+        self.scheduler = self.llm.scheduler
         self.history: list[dict[str, str]] = []
         self.params = shell_sampling()
 
-    def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+    def close(self) -> None:
+        self.llm.close()
 
     def reset(self) -> None:
         self.history.clear()
@@ -129,8 +133,20 @@ def _write(text: str) -> None:
 
 def run_shell(config: EngineConfig) -> int:
     print("Loading the model...", flush=True)
-    chat = ChatSession(config)
-    print(f"minisgl shell ({chat.engine.resolved.path.name}, {chat.engine.device}). {HELP}")
+    try:
+        chat = ChatSession(config)
+    except ValueError as exc:  # e.g. --node-rank 1: other nodes run minisgl.distributed.launch
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _chat_loop(chat)
+    finally:
+        chat.close()
+
+
+def _chat_loop(chat: ChatSession) -> int:
+    tp = f", tp={chat.engine.tp.size}" if chat.engine.tp.size > 1 else ""
+    print(f"minisgl shell ({chat.engine.resolved.path.name}, {chat.engine.device}{tp}). {HELP}")
     read = _line_reader()
     while True:
         try:

@@ -1,11 +1,15 @@
-"""Tensor-parallel process group over torch.distributed (NCCL on CUDA, gloo on CPU)."""
+"""Tensor-parallel process group over torch.distributed (NCCL on CUDA, gloo on CPU).
+
+torch is imported where it is used: the API server's process imports this package (for the
+rank layout in topology.py) and never runs a collective, so it need not load torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,8 @@ class TPInfo:
 
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     if tp.size > 1:
+        import torch.distributed as dist
+
         dist.all_reduce(x)
     return x
 
@@ -28,6 +34,9 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
     """Concatenate each rank's shard along the last dimension (vocab-parallel LM head)."""
     if tp.size == 1:
         return x
+    import torch
+    import torch.distributed as dist
+
     parts = [torch.empty_like(x) for _ in range(tp.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
@@ -36,10 +45,12 @@ def all_gather_last_dim(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
 def init_process_group(
     tp: TPInfo, init_method: str, backend: str, timeout_s: float = 600.0
 ) -> None:
-    if tp.size == 1 or dist.is_initialized():
-        return
     import datetime
 
+    import torch.distributed as dist
+
+    if tp.size == 1 or dist.is_initialized():
+        return
     dist.init_process_group(
         backend=backend,
         init_method=init_method,

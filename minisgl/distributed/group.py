@@ -50,6 +50,14 @@ def rank_device(config: EngineConfig, tp: TPInfo, device: torch.device) -> torch
     return torch.device("cuda", Topology.of(config).local_rank(tp.rank))
 
 
+def share_cpu_threads(config: EngineConfig, device: torch.device) -> None:
+    """On CPU the ranks of one node share its cores: give each rank its share, since
+    oversubscribed threads slow every rank down (and a collective waits for the slowest)."""
+    if device.type == "cpu" and config.tp_size > 1:
+        per_rank = (os.cpu_count() or 1) // Topology.of(config).ranks_per_node
+        torch.set_num_threads(max(1, per_rank))
+
+
 def init_tp_group(
     config: EngineConfig,
     tp: TPInfo,

@@ -28,6 +28,8 @@ from minisgl.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 GATHERED = frozenset({"report"})  # ops whose per-rank results are collected on rank 0
+# RankState.summary: what every rank must agree on.
+SUMMARY_KEYS = ("digest", "steps", "running", "waiting", "free_pages", "evictable_pages")
 
 
 @dataclass(frozen=True)
@@ -84,17 +86,24 @@ class RankState:
         return {
             "rank": self.rank,
             "error": error,
+            **self.summary(),
+            "num_pages": s.kv.allocator.num_pages,
+            "param_shapes": {n: tuple(p.shape) for n, p in params},
+            # Bytes each parameter's storage holds: equal to its own size when the rank keeps
+            # only its shard (a narrowed view of a full checkpoint tensor would be larger).
+            "param_storage_bytes": {n: p.untyped_storage().nbytes() for n, p in params},
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """What every rank must agree on: what the steps produced, and the KV occupancy."""
+        s = self.scheduler
+        return {
             "digest": self.digest.hexdigest(),
             "steps": self.steps,
             "running": len(s.running),
             "waiting": len(s.waiting),
             "free_pages": s.kv.allocator.num_free_pages,
             "evictable_pages": s.kv.cache.evictable_pages,
-            "num_pages": s.kv.allocator.num_pages,
-            "param_shapes": {n: tuple(p.shape) for n, p in params},
-            # Bytes each parameter's storage holds: equal to its own size when the rank keeps
-            # only its shard (a narrowed view of a full checkpoint tensor would be larger).
-            "param_storage_bytes": {n: p.untyped_storage().nbytes() for n, p in params},
         }
 
     def _progress(self, changed: list[Req]) -> list[Req]:
@@ -184,11 +193,8 @@ class MirroredScheduler:
 
     def check_integrity(self) -> None:
         """Each rank's own KV check, plus: every rank applied and produced the same."""
-        reports = self.reports()
-        bad = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"] is not None]
-        assert not bad, "; ".join(bad)
-        digests = {r["digest"] for r in reports}
-        assert len(digests) == 1, f"ranks diverged: {[r['digest'] for r in reports]}"
+        problems = report_problems(self.reports())
+        assert not problems, "; ".join(problems)
 
     def stop(self) -> bool:
         """Tell the followers to leave their loop; False if they cannot be told (already
@@ -203,6 +209,21 @@ class MirroredScheduler:
         except Exception:  # a rank died: the others fail their next collective and exit
             return False
         return True
+
+
+def report_problems(reports: list[dict[str, Any]]) -> list[str]:
+    """What is wrong across the ranks' reports (``{"rank", "error", **summary()}``, in rank
+    order): each rank's own integrity error, and any disagreement between the ranks."""
+    problems = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"] is not None]
+    first = reports[0]
+    for r in reports[1:]:
+        differ = [k for k in SUMMARY_KEYS if r[k] != first[k]]
+        if differ:
+            problems.append(
+                f"ranks diverged: rank {r['rank']} has "
+                + ", ".join(f"{k}={r[k]!r} (rank 0: {first[k]!r})" for k in differ)
+            )
+    return problems
 
 
 def follow(state: RankState, channel: EventChannel) -> None:

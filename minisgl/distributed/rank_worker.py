@@ -69,20 +69,15 @@ def run_rank(args: RankArgs) -> None:
 
 
 def follow_offline(config: EngineConfig, rank: int) -> None:
-    import torch
-
     from minisgl.distributed import TPInfo
     from minisgl.distributed.channel import EventChannel
-    from minisgl.distributed.group import destroy_tp_group
+    from minisgl.distributed.group import destroy_tp_group, share_cpu_threads
     from minisgl.distributed.mirror import RankState, follow
-    from minisgl.distributed.topology import Topology
-    from minisgl.engine.engine import Engine
+    from minisgl.engine.engine import Engine, pick_device
     from minisgl.scheduler.scheduler import Scheduler
 
     tp = TPInfo(rank, config.tp_size)
-    if config.device == "cpu" or not torch.cuda.is_available():
-        # Ranks of one node share its cores; oversubscribed threads slow every rank down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // Topology.of(config).ranks_per_node))
+    share_cpu_threads(config, pick_device(config.device))
     engine = Engine(config, tp)
     scheduler = Scheduler(engine, decode=LazyDecoder(engine.resolved, config.tokenizer))
     channel = EventChannel(tp)

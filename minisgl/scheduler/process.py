@@ -3,20 +3,25 @@
 Each iteration: take every queued message (blocking only when there is nothing to run), apply
 them, run one step, and send one `StepOutputs` with the new tokens of every request that
 progressed. Per-request failures become error outputs for that request; a failing step aborts
-the requests that were running and the loop goes on.
+the requests that were running and the loop goes on (with one rank; see below).
 
-Tensor parallelism (later): each rank runs this loop in its own process. Rank 0 owns the inbox
-and must forward what it received to the other ranks before applying it, so that every rank
-applies the same messages in the same order and builds identical batches; only rank 0 sends
-outputs. `_sync_across_ranks` is that hook.
+Tensor parallelism: each rank runs this loop in its own process (`scheduler-tp{r}`). Only rank
+0 owns sockets; each iteration it hands what it read to every rank (`RankSync.exchange`), so
+all ranks apply the same messages in the same order, build identical batches and sample
+identical tokens; only rank 0 sends outputs and replies. Everything that changes scheduler
+state follows from the exchanged messages alone: wall-clock decisions (request timeouts,
+shutdown drains) are made by the API server and arrive as aborts, the queue limit reads the
+scheduler's own (identical) state, and idle-time work changes no state. When rank 0's loop
+ends it releases the other ranks (`RankSync.stop`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -30,11 +35,11 @@ from minisgl.ipc.messages import (
     ControlReply,
     ControlRequest,
     StepOutputs,
-    TokenLogprob,
     TokenOutput,
-    TopLogprob,
 )
 from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.outputs import error_output, token_output
+from minisgl.scheduler.stop import StopStringDecoder, server_decoder
 
 if TYPE_CHECKING:
     from minisgl.scheduler.request import Req
@@ -69,10 +74,19 @@ def run_scheduler(args: SchedulerArgs, report_queue: Any) -> None:
 
 def _serve(args: SchedulerArgs, report_queue: Any) -> None:
     with startup_report(f"scheduler-tp{args.tp_rank}", report_queue) as ready:
-        from minisgl.engine.engine import Engine
+        from minisgl.distributed import TPInfo
+        from minisgl.distributed.group import share_cpu_threads
+        from minisgl.engine.engine import Engine, pick_device
 
-        engine = Engine(args.config)
+        tp = TPInfo(args.tp_rank, args.config.tp_size)
+        share_cpu_threads(args.config, pick_device(args.config.device))
+        engine = Engine(args.config, tp)  # with TP, joins the ranks' process groups
         loop = SchedulerLoop(engine, args)
+        if tp.size > 1 and tp.is_primary:
+            # Leave the loop on SIGTERM instead of dying, so that rank 0 releases the other
+            # ranks (here and on other nodes) and they exit cleanly; Runtime.shutdown stops
+            # rank 0 first for that reason.
+            signal.signal(signal.SIGTERM, lambda signum, frame: loop.stop())
         ready(
             {
                 "context_length": engine.context_length,
@@ -86,48 +100,36 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
         loop.run()
 
 
-class StopStringDecoder:
-    """``decode`` for the scheduler's stop-string check, loaded lazily from the tokenizer copy
-    the worker saves. Requests reach the scheduler only through the worker, which saves the
-    copy before it handles any message, so the copy exists by the time it is needed."""
-
-    def __init__(self, copy_dir: str) -> None:
-        self.copy_dir = Path(copy_dir)
-        self.tokenizer: Any = None
-
-    def preload(self) -> None:
-        if self.tokenizer is None and self.copy_dir.is_dir():
-            self._load()
-
-    def _load(self) -> None:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.copy_dir))
-
-    def __call__(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            self._load()
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
-
 class SchedulerLoop:
     def __init__(self, engine: Any, args: SchedulerArgs) -> None:
+        from minisgl.distributed.mirror import RankState
+        from minisgl.distributed.server_sync import RankSync
         from minisgl.scheduler.scheduler import Scheduler
 
         self.engine = engine
         self.parent_pid = args.parent_pid
-        self.tp_rank = args.tp_rank
-        self.decoder = StopStringDecoder(args.tokenizer_copy_dir)
+        # With TP these are collectives: every rank builds its loop at startup. The ranks
+        # must schedule alike: the same engine flags (but node_rank), rank 0's queue limit
+        # (a server flag the other nodes need not be given).
+        self.sync = RankSync(engine.tp)
+        self.sync.require_same(dataclasses.replace(args.config, node_rank=0), "engine flags")
+        self.max_queued = self.sync.share(args.max_queued_requests)
+        self.decoder = server_decoder(engine, args.config, args.tokenizer_copy_dir)
         self.scheduler = Scheduler(engine, decode=self.decoder)
+        # Steps and aborts go through it: it folds what each step produced into a digest,
+        # which /debug/integrity compares across the ranks.
+        self.state = RankState(self.scheduler, engine.tp.rank)
         self.context_length = self.scheduler.context_length
         self.ctx = zmq.Context()
-        self.inbox = sockets.bind_pull(self.ctx, args.addresses.scheduler)
-        self.outbox = sockets.connect_push(self.ctx, args.addresses.worker)
+        self.inbox: zmq.Socket[Any] | None = None
+        self.outbox: zmq.Socket[Any] | None = None
+        if self.sync.reads_inbox:
+            self.inbox = sockets.bind_pull(self.ctx, args.addresses.scheduler)
+            self.outbox = sockets.connect_push(self.ctx, args.addresses.worker)
         self.live: dict[int, Req] = {}
         self.reported: dict[int, int] = {}  # output tokens already sent, per request
         self.wait_for_idle: list[ControlRequest] = []
         self.keep_running = True  # cleared by stop() (in-process use, e.g. tests)
-        self.max_queued = args.max_queued_requests
         self.rejected_queue_full = 0
         self.aborts = dict.fromkeys(("waiting", "prefill", "decode"), 0)  # by phase
         # Leak guard state: whether anything ran since the last check, and when that was.
@@ -140,18 +142,44 @@ class SchedulerLoop:
     def run(self) -> None:
         try:
             self._loop()
+            self._release_ranks()
         finally:
             # Close the sockets explicitly: a context with open sockets would block exit.
             self.ctx.destroy(linger=sockets.LINGER_MS)
 
     def stop(self) -> None:
+        """Leave the loop (rank 0; from another thread or a signal handler)."""
         self.keep_running = False
 
+    def _release_ranks(self) -> None:
+        # Only when the loop ended in order: after an error the other ranks may be inside a
+        # collective that rank 0 never reached, and the server stops them from outside.
+        try:
+            self.sync.stop()
+        except Exception as exc:  # a rank is gone already: the server stops the rest
+            logger.warning("could not release the other TP ranks: %s", exc)
+
+    def _next_messages(self) -> list[Any] | None:
+        """This iteration's messages, the same list on every rank; None: leave the loop.
+        Only rank 0 reads the inbox, and only rank 0 decides to stop."""
+        if not self.sync.reads_inbox:
+            return self.sync.exchange()
+        if not self.keep_running:
+            return None
+        assert self.inbox is not None
+        idle = not self.scheduler.has_work and not self.wait_for_idle
+        msgs = sockets.recv_all(self.inbox, IDLE_POLL_MS if idle else 0)
+        if idle and not msgs and not parent_alive(self.parent_pid):
+            logger.warning("parent process is gone; exiting")
+            return None
+        return self.sync.exchange(msgs)
+
+    def _send(self, msg: Any) -> None:
+        if self.outbox is not None:  # rank 0 speaks for every rank
+            sockets.send(self.outbox, msg)
+
     def _loop(self) -> None:
-        while self.keep_running:
-            busy = self.scheduler.has_work
-            msgs = sockets.recv_all(self.inbox, 0 if busy or self.wait_for_idle else IDLE_POLL_MS)
-            msgs = self._sync_across_ranks(msgs)
+        while (msgs := self._next_messages()) is not None:
             outputs: list[TokenOutput] = []
             for msg in msgs:
                 try:
@@ -165,19 +193,14 @@ class SchedulerLoop:
             if self.scheduler.has_work:
                 outputs += self._step()
             if outputs:
-                sockets.send(self.outbox, StepOutputs(outputs))
+                self._send(StepOutputs(outputs))
             if not self.scheduler.has_work:
+                # Idle-time work changes no scheduler state, so on each rank it may run on
+                # that rank's own clock (the leak guard) or cache (the tokenizer).
                 self._answer_idle_requests()
                 self._idle_integrity_check()
-                self.decoder.preload()
-                if not msgs and not parent_alive(self.parent_pid):
-                    logger.warning("parent process is gone; exiting")
-                    return
-
-    def _sync_across_ranks(self, msgs: list[Any]) -> list[Any]:
-        """TP hook: rank 0 would broadcast ``msgs`` here and other ranks would return what
-        rank 0 sent instead of reading an inbox. With one rank there is nothing to do."""
-        return msgs
+                if isinstance(self.decoder, StopStringDecoder):
+                    self.decoder.preload()
 
     def _handle(self, msg: Any, outputs: list[TokenOutput]) -> None:
         if isinstance(msg, AddRequests):
@@ -185,20 +208,19 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequests):
             for rid in msg.rids:
                 phase = _phase(self.live[rid]) if rid in self.live else None
-                req = self.scheduler.abort(rid)
+                req = self.state.op_abort(rid)
                 if req is not None and phase is not None:
                     self.aborts[phase] += 1
                 if req is not None and rid in self.live:
                     outputs.append(self._progress(req))
         elif isinstance(msg, ControlRequest):
             if msg.kind == "stats":
-                sockets.send(self.outbox, ControlReply(msg.cid, True, self._stats()))
+                if self.sync.reads_inbox:  # a read of rank 0's state: no other rank is needed
+                    self._send(ControlReply(msg.cid, True, self._stats()))
             elif msg.kind in ("integrity", "flush_cache"):
                 self.wait_for_idle.append(msg)
             else:
-                sockets.send(
-                    self.outbox, ControlReply(msg.cid, False, {"error": f"unknown {msg.kind!r}"})
-                )
+                self._send(ControlReply(msg.cid, False, {"error": f"unknown {msg.kind!r}"}))
         else:
             logger.error("unexpected message %r", type(msg).__name__)
 
@@ -210,7 +232,7 @@ class SchedulerLoop:
                 f"the server is overloaded: {len(self.scheduler.waiting)} requests are already "
                 f"waiting (limit {self.max_queued}); retry later"
             )
-            outputs += [_error(r.rid, message, 503) for r in msg.reqs]
+            outputs += [error_output(r.rid, message, 503) for r in msg.reqs]
             return
         # Validate every request of the HTTP request before queueing any of them.
         try:
@@ -220,7 +242,7 @@ class SchedulerLoop:
                 if r.rid in self.live:
                     raise ValueError(f"request id {r.rid} is already in use")
         except (ValueError, TypeError) as exc:
-            outputs += [_error(r.rid, str(exc), 400) for r in msg.reqs]
+            outputs += [error_output(r.rid, str(exc), 400) for r in msg.reqs]
             return
         for r, p in zip(msg.reqs, params, strict=True):
             self.live[r.rid] = self.scheduler.add_request(r.input_ids, p, uid=r.rid)
@@ -252,8 +274,13 @@ class SchedulerLoop:
     # ------------------------------------------------------------ stepping
     def _step(self) -> list[TokenOutput]:
         try:
-            changed = self.scheduler.step()
+            changed = self.state.op_step()
         except Exception as exc:
+            if self.sync.tp.size > 1:
+                # The other ranks may wait inside a collective this rank never reached (or
+                # be past one it failed in): they cannot be brought back in step. Exit; the
+                # server notices, fails the pending requests and stops every rank.
+                raise
             logger.exception("scheduler step failed; aborting the running requests")
             return self._abort_running(f"internal error while running the batch: {exc!r}")
         return [self._progress(req) for req in changed if req.uid in self.live]
@@ -267,7 +294,7 @@ class SchedulerLoop:
                 logger.exception("aborting request %d failed", req.uid)
             if self.live.pop(req.uid, None) is not None:
                 self.reported.pop(req.uid, None)
-                outputs.append(_error(req.uid, message, 500))
+                outputs.append(error_output(req.uid, message, 500))
         # If the failure left KV bookkeeping inconsistent, serving on would corrupt outputs:
         # let the process die (the server notices and exits) rather than answer wrongly.
         # (The check is only defined between batches, i.e. with no batch in flight.)
@@ -276,40 +303,7 @@ class SchedulerLoop:
         return outputs
 
     def _progress(self, req: Req) -> TokenOutput:
-        start = self.reported[req.uid]
-        out = TokenOutput(
-            rid=req.uid,
-            new_ids=req.output_ids[start:],
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens,
-            finish_reason=req.finish_reason if req.finished else None,
-            matched_stop=req.matched_stop if req.finished else None,
-        )
-        if start == 0 and req.params.prompt_logprobs is not None:
-            out.prompt_logprobs = [
-                TokenLogprob(
-                    token_id=req.prompt_ids[i + 1],
-                    logprob=float(lp),
-                    top=[TopLogprob(int(t), float(v)) for t, v in req.prompt_top_logprobs[i]]
-                    if i < len(req.prompt_top_logprobs)
-                    else [],
-                )
-                for i, lp in enumerate(req.prompt_logprobs)
-            ]
-        if req.params.wants_logprobs:
-            lps = req.output_logprobs[start:] if req.params.logprobs else []
-            tops = req.output_top_logprobs[start:]
-            out.logprobs = [
-                TokenLogprob(
-                    token_id=tok,
-                    logprob=lps[i] if i < len(lps) else 0.0,
-                    top=[TopLogprob(int(t), float(lp)) for t, lp in tops[i]]
-                    if i < len(tops)
-                    else [],
-                )
-                for i, tok in enumerate(out.new_ids)
-            ]
+        out = token_output(req, self.reported[req.uid])
         self.reported[req.uid] = len(req.output_ids)
         if req.finished:
             del self.live[req.uid], self.reported[req.uid]
@@ -319,11 +313,10 @@ class SchedulerLoop:
     def _answer_idle_requests(self) -> None:
         for msg in self.wait_for_idle:
             if msg.kind == "flush_cache":
-                ok = self.scheduler.flush_cache()
-                reply = ControlReply(msg.cid, ok, self._stats())
+                ok = self.scheduler.flush_cache()  # every rank flushes: caches stay identical
+                self._send(ControlReply(msg.cid, ok, self._stats()))
             else:
-                reply = self._integrity(msg.cid)
-            sockets.send(self.outbox, reply)
+                self._integrity(msg.cid)
         self.wait_for_idle.clear()
 
     def _idle_integrity_check(self) -> None:
@@ -350,11 +343,23 @@ class SchedulerLoop:
         )  # fmt: skip
         return error
 
-    def _integrity(self, cid: int) -> ControlReply:
-        error = self._check_integrity()
+    def _integrity(self, cid: int) -> None:
+        """Every rank checks its own KV state; rank 0 answers for all of them, and fails the
+        check too if the ranks no longer hold the same state (every step must agree)."""
+        from minisgl.distributed.mirror import report_problems
+
+        own = self._check_integrity()
+        reports = self.sync.gather({"rank": self.state.rank, "error": own, **self.state.summary()})
+        if reports is None:
+            return  # not rank 0
+        error = own if len(reports) == 1 else "; ".join(report_problems(reports)) or None
+        if error is not None and own is None:  # only another rank found it: count it here
+            self.integrity_violations += 1
+            logger.error("TP integrity violation: %s", error)
         data = self._stats()
         data["ok"], data["error"], data["live_requests"] = error is None, error, len(self.live)
-        return ControlReply(cid, error is None, data)
+        data["ranks"] = reports
+        self._send(ControlReply(cid, error is None, data))
 
     def _stats(self) -> dict[str, Any]:
         s = self.scheduler
@@ -384,9 +389,3 @@ def _phase(req: Req) -> str:
     if req.state is ReqState.WAITING:
         return "waiting"
     return "prefill" if req.num_generated == 0 else "decode"
-
-
-def _error(rid: int, message: str, status: int) -> TokenOutput:
-    return TokenOutput(
-        rid=rid, new_ids=[], finish_reason="abort", error=message, error_status=status
-    )

@@ -1,10 +1,16 @@
-"""Finish conditions: EOS, stop token ids, stop strings, max_tokens, context length."""
+"""Finish conditions: EOS, stop token ids, stop strings, max_tokens, context length; and the
+`decode` that the server's scheduler processes check stop strings with."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from minisgl.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from minisgl.config import EngineConfig
 
 
 class StopChecker:
@@ -36,3 +42,38 @@ class StopChecker:
         if n_out >= p.max_tokens or req.num_tokens >= context_length:
             return "length"
         return None
+
+
+class StopStringDecoder:
+    """``decode`` for the scheduler's stop-string check, loaded lazily from the tokenizer copy
+    the worker saves. Requests reach the scheduler only through the worker, which saves the
+    copy before it handles any message, so the copy exists by the time it is needed."""
+
+    def __init__(self, copy_dir: str) -> None:
+        self.copy_dir = Path(copy_dir)
+        self.tokenizer: Any = None
+
+    def preload(self) -> None:
+        if self.tokenizer is None and self.copy_dir.is_dir():
+            self._load()
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.copy_dir))
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            self._load()
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def server_decoder(engine: Any, config: EngineConfig, copy_dir: str) -> Callable[[list[int]], str]:
+    """Ranks on node 0 read the tokenizer copy the worker saved; ranks on other nodes have no
+    such copy (nor worker) and load the tokenizer themselves, if a request needs it."""
+    from minisgl.distributed.rank_worker import LazyDecoder
+    from minisgl.distributed.topology import Topology
+
+    if Topology.of(config).node_of(engine.tp.rank) == 0:
+        return StopStringDecoder(copy_dir)
+    return LazyDecoder(engine.resolved, config.tokenizer)

@@ -2,13 +2,17 @@
 
 Processes (all children use the ``spawn`` start method):
 
-    main:      API server (FastAPI + uvicorn) + watchdog thread
-    tokenizer: tokenizes requests, detokenizes outputs (minisgl/tokenizer/worker.py)
-    scheduler: Engine + Scheduler loop, one per TP rank (minisgl/scheduler/process.py)
+    main:            API server (FastAPI + uvicorn) + watchdog thread
+    tokenizer:       tokenizes requests, detokenizes outputs (minisgl/tokenizer/worker.py)
+    scheduler-tp{r}: Engine + Scheduler loop of TP rank r (minisgl/scheduler/process.py)
 
 The listening socket is bound first (a busy port fails in milliseconds, not after the model
 loads) but not listened on, so connections are refused until every child has reported ready.
 Whenever a child dies the server fails pending requests, stops, and exits non-zero.
+
+Multi-node TP: node 0 runs the above with its share of the ranks; every other node runs the
+same command with its --node-rank, which starts only that node's scheduler ranks (no HTTP, no
+tokenizer) and exits when they do: when node 0 stops (0), or when a rank fails (1).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ logger = logging.getLogger("minisgl.server")
 
 STARTUP_TIMEOUT_S = 1800.0  # first run may download a model
 STOP_GRACE_S = 5.0
+RELEASE_WAIT_S = 2.0  # how long the other TP ranks get to leave once rank 0 released them
 
 
 @dataclass(frozen=True)
@@ -79,12 +84,12 @@ class Runtime:
     def start(
         cls, config: EngineConfig, log_level: str, max_queued_requests: int | None = None
     ) -> Runtime:
+        from minisgl.distributed.topology import Topology, with_init_addr
         from minisgl.scheduler.process import SchedulerArgs, run_scheduler
         from minisgl.tokenizer.worker import WorkerArgs, run_worker
 
-        if config.tp_size > 1:
-            # Hook for TP: spawn one run_scheduler per rank (tp_rank=i); rank 0 owns the inbox.
-            raise StartupError("the server does not support --tp-size > 1 yet")
+        config = with_init_addr(config)  # one node: the ranks meet at a free local port
+        topo = Topology.of(config)
         run_dir = Path(tempfile.mkdtemp(prefix="minisgl-"))
         logger.info("run directory (sockets, tokenizer copy): %s", run_dir)
         rt = cls(run_dir, IpcAddresses.in_dir(run_dir))
@@ -94,19 +99,21 @@ class Runtime:
         pid = os.getpid()
         try:
             targets: dict[str, tuple[Callable[..., None], Any]] = {
-                "scheduler-tp0": (
+                f"scheduler-tp{rank}": (
                     run_scheduler,
                     SchedulerArgs(
-                        config, rt.addresses, copy_dir, pid, 0, log_level, max_queued_requests
+                        config, rt.addresses, copy_dir, pid, rank, log_level, max_queued_requests
                     ),
-                ),
-                "tokenizer": (
+                )
+                for rank in topo.node_ranks
+            }
+            if topo.holds_rank0:  # only node 0 talks to clients
+                targets["tokenizer"] = (
                     run_worker,
                     WorkerArgs(
                         config.model, config.tokenizer, rt.addresses, copy_dir, pid, log_level
                     ),
-                ),
-            }
+                )
             for name, (target, args) in targets.items():
                 proc = ctx.Process(
                     target=target, args=(args, reports), name=f"minisgl-{name}", daemon=True
@@ -161,20 +168,52 @@ class Runtime:
 
         threading.Thread(target=run, name="minisgl-watchdog", daemon=True).start()
 
+    def wait_all(self) -> int:
+        """Block until every child has exited: 0 if all exited cleanly; 1 as soon as one
+        fails (the caller then stops the rest)."""
+        while True:
+            codes = {p.sentinel: p.exitcode for p in self.procs.values()}
+            if any(code not in (None, 0) for code in codes.values()):
+                return 1
+            running = [sentinel for sentinel, code in codes.items() if code is None]
+            if not running:
+                return 0
+            wait_sentinels(running)  # the codes read once: an empty list would wait forever
+
     def shutdown(self) -> None:
+        """Stop every child, rank 0 (and the tokenizer) first: told to stop (SIGTERM), rank 0
+        leaves its loop and releases the other ranks, here and on other nodes, which then exit
+        on their own. A rank stopped before that would make the release fail."""
         self.stopping = True
-        for proc in self.procs.values():
+        deadline = time.monotonic() + STOP_GRACE_S
+        followers = {n: p for n, p in self.procs.items() if _is_follower_rank(n)}
+        self._stop({n: p for n, p in self.procs.items() if n not in followers}, deadline)
+        # Released by rank 0, the other ranks need a moment to leave (and to pass the word on).
+        patience = RELEASE_WAIT_S if "scheduler-tp0" in self.procs else 0.0
+        self._stop(followers, deadline, patience)
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    @staticmethod
+    def _stop(procs: dict[str, Any], deadline: float, patience: float = 0.0) -> None:
+        """Let ``procs`` exit on their own for up to ``patience`` seconds, then terminate
+        them; kill those still alive at ``deadline``."""
+        patient_until = min(deadline, time.monotonic() + patience)
+        for proc in procs.values():
+            proc.join(max(0.0, patient_until - time.monotonic()))
+        for proc in procs.values():
             if proc.is_alive():
                 proc.terminate()
-        deadline = time.monotonic() + STOP_GRACE_S
-        for name, proc in self.procs.items():
+        for name, proc in procs.items():
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 logger.warning("%s did not stop within %.0fs; killing it", name, STOP_GRACE_S)
                 proc.kill()
                 proc.join(1.0)
             logger.debug("%s exited with code %s", name, proc.exitcode)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _is_follower_rank(name: str) -> bool:
+    return name.startswith("scheduler-tp") and name != "scheduler-tp0"
 
 
 def default_served_name(config: EngineConfig) -> str:
@@ -214,6 +253,8 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
     runtime: Runtime | None = None
     logger.info("%r", args)  # the API key shows as <set>: logs get shared, keys must not
     logger.info("%r", config)
+    if config.node_rank != 0:
+        return _serve_node_ranks(config, args)
     try:
         listener = bind_listener(args.host, args.port)
         runtime = Runtime.start(config, args.log_level, args.max_queued_requests)
@@ -236,6 +277,27 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
     finally:
         if runtime is not None:
             logger.debug("stopping the child processes")
+            runtime.shutdown()
+
+
+def _serve_node_ranks(config: EngineConfig, args: ServerArgs) -> int:
+    """A node other than node 0 of a multi-node TP server: run this node's scheduler ranks
+    until they exit. Rank 0 (on node 0) serves HTTP and drives them."""
+    runtime: Runtime | None = None
+    try:
+        runtime = Runtime.start(config, args.log_level)
+        logger.info(
+            "node %d: TP ranks %s ready; node 0 (%s) serves the API",
+            config.node_rank, sorted(runtime.procs), config.dist_init_addr,
+        )  # fmt: skip
+        return runtime.wait_all()
+    except (KeyboardInterrupt, _Stop):
+        return 0
+    except StartupError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        if runtime is not None:
             runtime.shutdown()
 
 

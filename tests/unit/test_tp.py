@@ -259,12 +259,63 @@ def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
     try:
         init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
         sync = RankSync(TPInfo(0, 2))
-        sent = [[], [{"rid": 3, "ids": [1, 2]}, ("abort", 3)], [], [{"rid": 4}]]
+        sent: list[list[Any]] = [[], [{"rid": 3, "ids": [1, 2]}, ("abort", 3)], [], [{"rid": 4}]]
         for msgs in sent:
             assert sync.exchange(msgs) == msgs
             assert sync.gather(len(msgs)) == [len(msgs), len(msgs)]
         sync.stop()
         assert out.get(timeout=120) == sent
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        destroy_tp_group()
+        if proc.is_alive():
+            proc.kill()
+
+
+def _mismatched_follower(config: EngineConfig, out: Any) -> None:
+    """Rank 1 started with another --page-size than rank 0 (as a second node could be)."""
+    import dataclasses
+
+    import torch
+
+    from minisgl.distributed import TPInfo
+    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+    from minisgl.distributed.server_sync import RankSync
+
+    init_tp_group(config, TPInfo(1, 2), torch.device("cpu"))
+    sync = RankSync(TPInfo(1, 2))
+    assert sync.share(None) == 7  # rank 0's value, whatever this rank was given
+    try:
+        sync.require_same(dataclasses.replace(config, page_size=4), "engine flags")
+        out.put("accepted")
+    except Exception as exc:
+        out.put(str(exc))
+    destroy_tp_group()
+
+
+def test_server_ranks_take_rank0_settings_and_refuse_other_engine_flags() -> None:
+    import multiprocessing as mp
+
+    import torch
+
+    from minisgl.distributed import TPInfo
+    from minisgl.distributed.channel import ProtocolMismatch
+    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+    from minisgl.distributed.server_sync import RankSync
+
+    config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_mismatched_follower, args=(config, out), daemon=True)
+    proc.start()
+    try:
+        init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
+        sync = RankSync(TPInfo(0, 2))
+        assert sync.share(7) == 7
+        with pytest.raises(ProtocolMismatch, match=r"rank 1: page_size=4 \(rank 0: 1\)"):
+            sync.require_same(config, "engine flags")
+        assert "page_size=4 (rank 0: 1)" in out.get(timeout=120)
         proc.join(30)
         assert proc.exitcode == 0
     finally:
