@@ -15,13 +15,13 @@ import cProfile
 import json
 import pstats
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.report import commit, emit  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
@@ -100,20 +100,10 @@ def main() -> None:
         "device": str(llm.engine.device),
         "options": options,
         "host": {k: round(v - stats0[k], 3) for k, v in llm.scheduler.stats.items()},
-        "commit": _commit(),
+        "commit": commit(),
     }
     print(f"{out_tokens} output tokens in {elapsed:.2f}s: {out_tokens / elapsed:,.1f} tok/s")
-    print(json.dumps(result))
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(json.dumps(result) + "\n")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:
-        return "unknown"
+    emit(result, args.output)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Greedy, ignore EOS, fixed output length; output tokens / wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.report import emit  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 from minisgl.models.default_model import default_model_path  # noqa: E402
 
@@ -97,10 +97,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         **results,
     }
-    print(json.dumps(line))
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(json.dumps(line) + "\n")
+    emit(line, args.output)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.report import emit  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
@@ -61,10 +62,7 @@ def main() -> None:
         "options": options,
     }
     print(f"TTFT {first * 1000:.1f} ms, decode {ms:.3f} ms/token")
-    print(json.dumps(result))
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    emit(result, args.output)
 
 
 if __name__ == "__main__":

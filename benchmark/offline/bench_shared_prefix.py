@@ -10,7 +10,6 @@ question, all submitted at once; greedy, a few output tokens each.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.report import emit  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
@@ -66,10 +66,7 @@ def main() -> None:
         "total_s": round(total, 2),
         "prefill_tokens_computed": sched.prefill_tokens - before,
     }
-    print(json.dumps(result))
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write(json.dumps(result) + "\n")
+    emit(result, args.output)
 
 
 if __name__ == "__main__":

@@ -56,14 +56,20 @@ def main() -> None:
         name = spec or "none"
         outputs[name] = outs
         results[name] = {
-            "tok_s": round(n / secs, 2), "tokens": n, "seconds": round(secs, 2),
+            "tok_s": round(n / secs, 2),
+            "tokens": n,
+            "seconds": round(secs, 2),
             # tokens emitted per verifying step (1 + accepted drafts)
             "accept_len": round(1 + acc / rows, 2) if rows else None,
         }
         print(name, results[name])
     assert outputs["none"] == outputs["ngram"], "speculation changed greedy outputs"
-    line = {"bench": "spec_ngram_bs1", "num_steps": args.num_steps, **results,
-            "speedup": round(results["ngram"]["tok_s"] / results["none"]["tok_s"], 2)}
+    line = {
+        "bench": "spec_ngram_bs1",
+        "num_steps": args.num_steps,
+        **results,
+        "speedup": round(results["ngram"]["tok_s"] / results["none"]["tok_s"], 2),
+    }
     print(json.dumps(line))
     if args.output:
         with open(args.output, "a") as f:
