@@ -108,9 +108,12 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; results come back in input order."""
+        batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            batch = [prompts]  # type: ignore[list-item]
+        else:
+            batch = list(prompts)  # type: ignore[arg-type]
+        prompts = batch
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (

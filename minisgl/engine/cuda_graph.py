@@ -10,7 +10,7 @@ the requests' parameters), the LM head is inside.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,7 +45,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metadata: dict[int, object] = {}
-        self.pool = None
+        self.pool: Any = None  # the memory pool handle the graphs share
         self._capture_all()
 
     def _dummy_layout(self, bs: int) -> BatchLayout:

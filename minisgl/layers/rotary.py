@@ -84,6 +84,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
+    # Typed views of the buffers (nn.Module's __getattr__ is typed Tensor | Module).
+    @property
+    def cos_table(self) -> torch.Tensor:
+        return self.get_buffer("cos")
+
+    @property
+    def sin_table(self) -> torch.Tensor:
+        return self.get_buffer("sin")
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,9 +101,9 @@ class RotaryEmbedding(nn.Module):
             # Imported here so CPU-only installs never need triton.
             from minisgl.kernels.rope import apply_rope
 
-            return apply_rope(positions, q, k, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+            return apply_rope(positions, q, k, self.cos_table, self.sin_table)
+        cos = self.cos_table[positions].unsqueeze(1)
+        sin = self.sin_table[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
