@@ -46,6 +46,9 @@ FLAG_HELP: dict[str, str] = {
     "disable_overlap_scheduling": "run CPU scheduling and device compute one after the other",
     "init_new_token_ratio": "admission: expected share of max_tokens still to come, at first",
     "min_new_token_ratio": "admission: the floor that share decays to",
+    "speculative_algorithm": "ngram | draft (default: draft when a draft model is given)",
+    "speculative_num_steps": "draft tokens proposed per request per step",
+    "speculative_draft_model": "draft model (same vocabulary) for --speculative-algorithm draft",
 }
 
 

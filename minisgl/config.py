@@ -37,9 +37,11 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
-    # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup).
+    # Speculative decoding: "ngram" drafts from the request's own tokens (prompt lookup);
+    # "draft" runs a small draft model with the same vocabulary (implied by a draft model).
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 4  # draft tokens proposed per request per step
+    speculative_draft_model: str | None = None  # local dir, .gguf file or HF id
     init_new_token_ratio: float = 0.7  # admission: expected share of max_tokens still to come
     min_new_token_ratio: float = 0.1
 
@@ -78,11 +80,25 @@ class EngineConfig:
             "auto, float32, bfloat16 or float16",
         )
         _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
+        if self.speculative_draft_model is not None and self.speculative_algorithm is None:
+            object.__setattr__(self, "speculative_algorithm", "draft")
         _check(
-            self.speculative_algorithm in (None, "ngram"),
+            self.speculative_algorithm in (None, "ngram", "draft"),
             "speculative_algorithm",
             self.speculative_algorithm,
-            "None or ngram",
+            "None, ngram or draft",
+        )
+        _check(
+            (self.speculative_algorithm == "draft") == (self.speculative_draft_model is not None),
+            "speculative_draft_model",
+            self.speculative_draft_model,
+            "required with speculative_algorithm=draft, and only then",
+        )
+        _check(
+            self.speculative_draft_model is None or self.tp_size == 1,
+            "speculative_draft_model",
+            self.speculative_draft_model,
+            "not supported with tp_size > 1 yet",
         )
         _check(
             1 <= self.speculative_num_steps <= 16,

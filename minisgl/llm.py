@@ -21,6 +21,7 @@ from minisgl.engine.engine import Engine, pick_device
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.speculative.report import spec_report
 from minisgl.tokenizer import load_tokenizer, trim_stop
 
 Prompt = str | Sequence[int]
@@ -204,6 +205,10 @@ class LLM:
             out["logprobs"] = list(req.output_logprobs)
         if p.top_logprobs:
             out["top_logprobs"] = [dict(t) for t in req.output_top_logprobs]
+        if self.config.speculative_algorithm:
+            out.update(
+                spec_report(req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens)
+            )
         if p.prompt_logprobs is not None:
             out["prompt_logprobs"] = list(req.prompt_logprobs)
             if p.prompt_logprobs:

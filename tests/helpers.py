@@ -22,8 +22,11 @@ TINY_BASE: dict[str, Any] = dict(
 )
 
 
-def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Save a random-weight float32 model of the given family to ``path`` (safetensors)."""
+def make_tiny_model(
+    path: Path, arch: str = "llama", seed: int = 0, init_std: float = 0.08, **overrides: Any
+) -> Path:
+    """Save a random-weight float32 model of the given family to ``path`` (safetensors);
+    a larger ``init_std`` gives more peaked next-token distributions."""
     import transformers as tf
 
     classes = {
@@ -56,7 +59,7 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
-                p.normal_(0.0, 0.08)
+                p.normal_(0.0, init_std)
             else:
                 p.uniform_(0.8, 1.2)
     model.save_pretrained(path, safe_serialization=True)
@@ -116,3 +119,20 @@ def hf_greedy(
         outs.append(toks)
         lps.append(lp)
     return outs, lps
+
+
+def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 1) -> Path:
+    """A copy of the model at ``src`` with Gaussian noise of std ``scale`` added to every
+    weight but the norms: a draft model that agrees with the original most of the time."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    gen = torch.Generator().manual_seed(seed)
+    weights = load_file(str(src / "model.safetensors"))
+    for name, w in weights.items():
+        if "norm" not in name:
+            weights[name] = w + scale * torch.randn(w.shape, generator=gen)
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

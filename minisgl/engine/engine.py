@@ -21,6 +21,7 @@ from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingRows
 from minisgl.engine.staging import DeviceStager
 from minisgl.kvcache.pool import KVPool
+from minisgl.layers.cpu_linear import pack_model
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.models.registry import build_model
@@ -63,7 +64,12 @@ def read_hf_config(resolved: ResolvedModel) -> dict[str, Any]:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, tp: TPInfo | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, tp: TPInfo | None = None, share: Engine | None = None
+    ) -> None:
+        """``share``: the target engine, when this one is its draft model. The draft then
+        uses the target's page table, so each token's K/V sits at the same slot index in
+        both pools, and its pool has as many pages as the target's."""
         self.config = config
         self.tp = tp or TPInfo()
         if self.tp.size != config.tp_size:
@@ -96,16 +102,22 @@ class Engine:
             self.model = build_model(cfg, self.tp, max(self.context_length, cfg.max_position))
         self.model.eval()
         self._load_weights()
+        pack_model(self.model)  # CPU: weights reordered for oneDNN (see layers/cpu_linear.py)
         self.pool = self._make_pool()
         # The context cannot exceed what the pool holds (minus one page of slack).
         self.context_length = min(self.context_length, (self.pool.num_pages - 1) * config.page_size)
         rows = self.max_running_requests + 1  # the extra row is scratch for padding
-        width = self.context_length + config.page_size
-        self.page_table = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
         # The pool has one page more than the allocator hands out: padding rows of CUDA-graph
         # batches read and write it, and the spare page-table row points at it.
         self.scratch_slot = self.pool.num_pages * config.page_size
-        self.page_table[-1].fill_(self.scratch_slot)
+        self.page_table: torch.Tensor
+        if share is not None:
+            self.context_length = share.context_length
+            self.page_table = share.page_table
+        else:
+            width = self.context_length + config.page_size
+            self.page_table = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+            self.page_table[-1].fill_(self.scratch_slot)
         self.stager = DeviceStager(self.device)
         self.attn_backend = self._make_backend()
         self.sampler = Sampler(use_triton=self.device.type == "cuda")
@@ -136,12 +148,19 @@ class Engine:
         if c.num_pages is not None:
             num_pages = c.num_pages
         else:
+            # A draft model, loaded later, needs room for its weights and a page per page here.
+            draft_weights, draft_page = 0, 0
+            if c.speculative_draft_model is not None:
+                from minisgl.speculative.draft_model import draft_footprint
+
+                draft_weights, draft_page = draft_footprint(c, self.dtype)
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 used = total - free
-                budget = int(total * c.mem_fraction_static) - used
+                budget = int(total * c.mem_fraction_static) - used - draft_weights
             else:
                 budget = int(c.cpu_kv_cache_gb * (1 << 30))
+            per_page += draft_page
             # Never more than every request at full context could use.
             want = self.max_running_requests * self.context_length // c.page_size + 1
             num_pages = max(2, min(budget // per_page, want))
@@ -241,34 +260,25 @@ class Engine:
             index_parts.append(np.asarray(spec.index, dtype=np.int64))
         logits_index = np.concatenate(index_parts)
         pos_dev, rows_dev = zip(*from_device) if from_device else ((), ())
+        fill, fill_src = (spec.fill, spec.fill_src) if spec is not None else ((), ())
         # Every index this step needs travels in one pinned buffer and one copy.
         staged = self.stager.stage(
             [
                 input_ids, positions, out_slots, logits_index, pos_dev, rows_dev,
-                sample_table_rows, sample_steps,
+                sample_table_rows, sample_steps, fill, fill_src,
             ],
             torch.long,
         )  # fmt: skip
-        ids, pos, slots, logits_idx, fd_pos, fd_rows, sample_rows_dev, steps_dev = staged
+        ids, pos, slots, logits_idx, fd_pos, fd_rows, sample_rows_dev, steps_dev = staged[:8]
+        fill_dev, src_dev = staged[8:]
         if from_device:
             ids[fd_pos] = self.last_tokens[fd_rows]
-        if (
-            prompt_lp is None
-            and spec is None
-            and self.graph_runner is not None
-            and self.graph_runner.can_run(layout)
-        ):
-            logits = self.graph_runner.run(layout, ids, pos, slots)
-        else:
-            batch = ForwardBatch(
-                input_ids=ids,
-                positions=pos,
-                out_slots=slots,
-                attn_backend=self.attn_backend,
-                attn_metadata=self.attn_backend.prepare(layout, self.device),
-                logits_index=logits_idx,
-            )
-            logits = self.model(batch)
+        if spec is not None and fill:
+            # Draft tokens may exist only on the device (a draft model's samples).
+            ids[fill_dev] = spec.drafts.view(-1)[src_dev]
+        every_row_samples = len(sample_rows) == len(layout.req_rows)
+        graph_ok = prompt_lp is None and spec is None and every_row_samples
+        logits = self.run_model(layout, ids, pos, slots, logits_idx, graph_ok)
         extra: list[torch.Tensor | None] = [None] * 5
         n_sample = len(sample_rows)
         if spec is not None:
@@ -294,6 +304,30 @@ class Engine:
             self.penalties.add_tokens(penalty_slots, out.next_tokens)
         return SampleResult.start_copy(out, extra)
 
+    def run_model(
+        self,
+        layout: BatchLayout,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        slots: torch.Tensor,
+        logits_index: torch.Tensor,
+        graph_ok: bool,
+    ) -> torch.Tensor:
+        """Float32 logits at ``logits_index`` for a batch whose tensors are on the device.
+        ``graph_ok``: the logits wanted are every row's, in order, so a decode batch may
+        replay a captured CUDA graph."""
+        if graph_ok and self.graph_runner is not None and self.graph_runner.can_run(layout):
+            return self.graph_runner.run(layout, ids, pos, slots)
+        batch = ForwardBatch(
+            input_ids=ids,
+            positions=pos,
+            out_slots=slots,
+            attn_backend=self.attn_backend,
+            attn_metadata=self.attn_backend.prepare(layout, self.device),
+            logits_index=logits_index,
+        )
+        return self.model(batch)  # type: ignore[no-any-return]
+
 
 @dataclass(frozen=True)
 class PromptLogprobRequest:
@@ -317,7 +351,10 @@ def _prompt_logprobs(
 @dataclass(frozen=True)
 class SpecRequest:
     index: list[int]  # k + 1 flat positions per speculating row
-    drafts: list[list[int]]  # k draft tokens per row, -1 padded
+    drafts: torch.Tensor  # [B, K] draft tokens on the device, -1 where a row drafted fewer
+    draft_probs: torch.Tensor | None  # [B, K, V] the draft's distributions; None: one-hot
+    fill: list[int]  # flat input positions that take the draft tokens, row by row
+    fill_src: list[int]  # their flat indices into ``drafts``
     temperatures: list[float]  # 0 = greedy
     seeds: list[int]
     steps: list[int]  # output position of each row's first new token
@@ -326,21 +363,25 @@ class SpecRequest:
 def _verify_drafts(
     logits: torch.Tensor, spec: SpecRequest, device: torch.device
 ) -> list[torch.Tensor | None]:
-    from minisgl.speculative.verify import verify
+    from minisgl.speculative.verify import verify, verify_greedy
 
-    rows = len(spec.drafts)
-    logits = logits.float().view(rows, -1, logits.shape[-1])
+    rows = len(spec.temperatures)
+    logits = logits.view(rows, -1, logits.shape[-1])
+    if not any(spec.temperatures):
+        # Greedy rows need neither probabilities nor noise: what rejection sampling with
+        # one-hot targets would emit, at a fraction of the cost (this runs every step).
+        return list(verify_greedy(logits, spec.drafts))
     temps = torch.tensor(spec.temperatures, dtype=torch.float32).to(device)
     greedy = temps == 0
     scale = torch.where(greedy, torch.ones_like(temps), temps)
-    probs = torch.softmax(logits / scale[:, None, None], dim=-1)
+    probs = torch.softmax(logits.float() / scale[:, None, None], dim=-1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
     probs = torch.where(greedy[:, None, None], one_hot, probs)
     seeds = torch.tensor([_as_i64(x) for x in spec.seeds], dtype=torch.long).to(device)
     tokens, counts = verify(
         probs,
-        torch.tensor(spec.drafts, dtype=torch.long).to(device),
-        None,
+        spec.drafts,
+        spec.draft_probs,
         seeds,
         torch.tensor(spec.steps, dtype=torch.long).to(device),
     )

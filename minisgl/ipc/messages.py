@@ -128,6 +128,10 @@ class TokenOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 0  # HTTP status for the error: 400 bad request, 500 internal
+    # speculation totals so far: verify steps, draft tokens verified, drafts accepted
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @message
@@ -156,6 +160,9 @@ class TextOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # first output only, when asked for
     error: str | None = None
     error_status: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

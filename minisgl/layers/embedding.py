@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_gather_last_dim, all_reduce
+from minisgl.layers.cpu_linear import linear
 
 
 def _pad(n: int, multiple: int) -> int:
@@ -42,7 +43,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-sharded output projection; logits are gathered to the full vocabulary."""
 
+    cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.cpu_packed)
         logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.vocab_size]

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
+from minisgl.layers.cpu_linear import linear
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
@@ -20,13 +20,15 @@ def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
 
 
 class ReplicatedLinear(nn.Module):
+    cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_packed)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -35,6 +37,8 @@ class ColumnParallelLinear(nn.Module):
     ``output_sizes`` lists the logical (full) outputs packed in this layer, e.g. [gate, up];
     each is split evenly across ranks and the local shards are stored back to back.
     """
+
+    cpu_packed: torch.Tensor | None = None
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo) -> None:
         super().__init__()
@@ -55,7 +59,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.cpu_packed)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -91,6 +95,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
+    cpu_packed: torch.Tensor | None = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo) -> None:
         super().__init__()
         assert in_features % tp.size == 0
@@ -104,7 +110,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.cpu_packed)
         y = all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

@@ -95,6 +95,7 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
                 "page_size": args.config.page_size,
                 "model_path": str(engine.resolved.path),
                 "device": str(engine.device),
+                "speculative_algorithm": args.config.speculative_algorithm,
             }
         )
         loop.run()
@@ -375,6 +376,9 @@ class SchedulerLoop:
             "prefix_looked_up_tokens": stats.looked_up_tokens,
             "prefix_matched_tokens": stats.matched_tokens,
             "retractions": s.num_retractions,
+            "spec_verify_steps": s.stats["spec_rows"],
+            "spec_draft_tokens": s.stats["spec_drafted"],
+            "spec_accepted_tokens": s.stats["spec_accepted"],
             "integrity_checks": self.integrity_checks,
             "integrity_violations": self.integrity_violations,
             "rejected_queue_full": self.rejected_queue_full,

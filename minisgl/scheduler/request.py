@@ -39,7 +39,13 @@ class Req:
     error: str | None = None
     admit_order: int = 0
     drafter: object | None = None  # speculative n-gram index over the request's tokens
-    draft: list[int] = field(default_factory=list)  # tokens proposed for the current step
+    draft: list[int] = field(default_factory=list)  # n-gram tokens proposed for this step
+    num_draft: int = 0  # draft tokens verified in this step (0: a plain decode)
+    draft_len: int = 0  # leading tokens whose draft-model K/V is in the draft pool
+    # Speculation totals (reported with the output): verify steps, drafted, accepted.
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
 
     @property

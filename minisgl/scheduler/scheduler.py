@@ -30,7 +30,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.kv_manager import KVManager, ranges
 from minisgl.scheduler.request import Req, ReqState
 from minisgl.scheduler.stop import StopChecker
-from minisgl.speculative.ngram import NgramDrafter
+from minisgl.speculative.speculator import BatchRow, Proposal, make_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class Scheduler:
         if overlap is None:
             overlap = overlap_default(engine.device.type, cfg.disable_overlap_scheduling)
         # Speculation reads each step's result before drafting the next: no overlap.
-        self.spec_k = cfg.speculative_num_steps if cfg.speculative_algorithm == "ngram" else 0
+        self.spec_k = cfg.speculative_num_steps if cfg.speculative_algorithm else 0
         self.overlap = overlap and not self.spec_k
         self.inflight: _InFlight | None = None
         self.config = cfg
@@ -80,7 +80,9 @@ class Scheduler:
             engine.max_running_requests,
             cfg.cache,
             engine.stager,
+            draft_kv=cfg.speculative_algorithm == "draft",
         )
+        self.spec = make_speculator(engine, self.kv.host_table)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stop_checker = StopChecker(engine.model_config.eos_token_ids, decode)
@@ -98,6 +100,10 @@ class Scheduler:
             "launch_s": 0.0,
             "wait_s": 0.0,
             "process_s": 0.0,
+            # speculation: verifying rows, draft tokens verified, draft tokens accepted
+            "spec_rows": 0,
+            "spec_drafted": 0,
+            "spec_accepted": 0,
         }
         self.num_retractions = 0
         # The last step's sampling rows, reused while the same requests sample.
@@ -222,8 +228,8 @@ class Scheduler:
 
     def _schedule_decodes(self, decodes: list[Req]) -> list[_Row]:
         for r in decodes:
-            r.draft = self._propose(r) if self.spec_k else []
-        new_tokens = [1 + len(r.draft) for r in decodes]
+            r.num_draft = self.spec.plan(r) if self.spec is not None else 0
+        new_tokens = [1 + r.num_draft for r in decodes]
         needs = self.kv.pages_needed(decodes, new_tokens)
         need = sum(needs)
         while decodes and need > self.kv.available_pages:
@@ -231,31 +237,11 @@ class Scheduler:
             victim = decodes.pop(i)
             need -= needs.pop(i)
             new_tokens.pop(i)
-            victim.draft = []
+            victim.num_draft = 0
             self._retract(victim)
         ok = self.kv.allocate_batch(decodes, new_tokens, needs)
         assert ok, "decode allocation failed after the capacity check"
         return [_Row(r, n, True, n > 1) for r, n in zip(decodes, new_tokens)]
-
-    def _propose(self, req: Req) -> list[int]:
-        """N-gram draft for a decode row, for the sampling modes verification covers exactly."""
-        p = req.params
-        plain = p.top_k <= 0 and p.top_p == 1.0 and p.min_p == 0.0
-        if not (p.is_greedy or plain) or _uses_penalties(req) or p.wants_logprobs:
-            return []
-        k = min(
-            self.spec_k,
-            p.max_tokens - req.num_generated - 1,
-            self.context_length - req.num_tokens - 1,
-        )
-        if k <= 0:
-            return []
-        if req.drafter is None:
-            req.drafter = NgramDrafter()
-        drafter = req.drafter
-        assert isinstance(drafter, NgramDrafter)
-        drafter.extend(req.token_slice(len(drafter.tokens), req.num_known))
-        return drafter.propose(k)
 
     def _reserve_pages(self) -> int:
         """Pages kept back for the growth of running requests (not reserved in full)."""
@@ -382,8 +368,8 @@ class Scheduler:
                     prompt_lp_index += range(base + lo, base + hi)
                     prompt_lp_targets += req.prompt_ids[lo + 1 : hi + 1]
                     prompt_lp_reqs.append((req, hi - lo))
-            if r.spec:  # the known last token, then the draft to verify
-                input_ids += req.token_slice(start, start + 1) + req.draft
+            if r.spec:  # the known last token, then places for the drafts (filled on device)
+                input_ids += req.token_slice(start, start + 1) + [0] * req.num_draft
                 continue
             known_end = min(end, req.num_known)
             input_ids += req.token_slice(start, known_end)
@@ -397,7 +383,11 @@ class Scheduler:
         out_slots = self.kv.host_table[row_idx, positions]
         sample_idx = [i for i, r in enumerate(rows) if r.samples and not r.spec]
         sampled = [rows[i].req for i in sample_idx]
-        spec = self._spec_request([r for r in rows if r.spec], layout.extend_lens, rows)
+        spec = None
+        if self.spec is not None:
+            # Before the target's forward: a draft model reads the rows' kv_len as it was.
+            proposal = self.spec.propose([BatchRow(r.req, r.extend, r.spec) for r in rows])
+            spec = self._spec_request(rows, proposal)
         sampling = self._sampling_rows(sampled) if sampled else None
         prompt_lp = None
         if prompt_lp_reqs:
@@ -440,29 +430,29 @@ class Scheduler:
             self._sampling_key = (key, any(_uses_penalties(q) for q in sampled))
         return self._sampling
 
-    def _spec_request(
-        self, spec_rows: list[_Row], extend_lens: list[int], rows: list[_Row]
-    ) -> SpecRequest | None:
-        if not spec_rows:
+    def _spec_request(self, rows: list[_Row], proposal: Proposal | None) -> SpecRequest | None:
+        if proposal is None:
             return None
         k = self.spec_k
-        starts: dict[int, int] = {}
-        acc = 0
-        for r, e in zip(rows, extend_lens):
-            starts[id(r)] = acc
-            acc += e
-        index: list[int] = []
-        drafts: list[list[int]] = []
-        for r in spec_rows:
-            n = len(r.req.draft)
-            first = starts[id(r)]
-            # k + 1 logits per row; short drafts repeat their last position (ignored).
-            index += [first + min(j, n) for j in range(k + 1)]
-            drafts.append(r.req.draft + [-1] * (k - n))
-        reqs = [r.req for r in spec_rows]
+        index: list[int] = []  # k + 1 logits per row; short drafts repeat their last (ignored)
+        fill: list[int] = []  # where each draft token goes in the flat input
+        fill_src: list[int] = []
+        reqs: list[Req] = []
+        first = 0
+        for r in rows:
+            if r.spec:
+                n, i = r.req.num_draft, len(reqs)
+                index += [first + min(j, n) for j in range(k + 1)]
+                fill += range(first + 1, first + 1 + n)
+                fill_src += range(i * k, i * k + n)
+                reqs.append(r.req)
+            first += r.extend
         return SpecRequest(
             index=index,
-            drafts=drafts,
+            drafts=proposal.drafts,
+            draft_probs=proposal.probs,
+            fill=fill,
+            fill_src=fill_src,
             temperatures=[q.params.temperature if not q.params.is_greedy else 0.0 for q in reqs],
             seeds=[q.seed for q in reqs],
             steps=[q.num_generated for q in reqs],
@@ -507,11 +497,15 @@ class Scheduler:
 
     def _accept_drafts(self, reqs: list[Req], out: HostSamples) -> None:
         assert out.spec_tokens is not None and out.spec_counts is not None
+        assert self.spec is not None
         for req, toks, n in zip(reqs, out.spec_tokens, out.spec_counts):
-            fed = 1 + len(req.draft)
-            old_kv = req.kv_len - fed
-            self.stats["spec_rows"] = self.stats.get("spec_rows", 0) + 1
-            self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n - 1
+            old_kv = req.kv_len - 1 - req.num_draft
+            self.stats["spec_rows"] += 1
+            self.stats["spec_drafted"] += req.num_draft
+            self.stats["spec_accepted"] += n - 1
+            req.spec_verify_steps += 1
+            req.spec_draft_tokens += req.num_draft
+            req.spec_accepted_tokens += n - 1
             reason = None
             for tok in toks[:n]:
                 req.output_ids.append(tok)
@@ -520,7 +514,8 @@ class Scheduler:
                     break
             # Roll back the rejected drafts: only verified tokens keep their KV.
             req.kv_len = min(old_kv + n, req.num_known - 1)
-            req.draft = []
+            self.spec.verified(req, n - 1)
+            req.num_draft, req.draft = 0, []
             if reason is not None:
                 self._finish(req, reason)
                 self.running.remove(req)

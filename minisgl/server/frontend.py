@@ -60,6 +60,9 @@ class SequenceResult:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def add(self, out: TextOutput) -> None:
         self.text += out.text
@@ -68,6 +71,10 @@ class SequenceResult:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        # Running totals; an error output carries zeros, so keep the largest seen.
+        self.spec_verify_steps = max(self.spec_verify_steps, out.spec_verify_steps)
+        self.spec_draft_tokens = max(self.spec_draft_tokens, out.spec_draft_tokens)
+        self.spec_accepted_tokens = max(self.spec_accepted_tokens, out.spec_accepted_tokens)
         if out.prompt_text is not None:
             self.prompt_text = out.prompt_text
         if out.prompt_token_strs is not None:

@@ -22,6 +22,8 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+# Tokens per verify step: 1 (every draft rejected) to speculative_num_steps + 1 (max 17).
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 17.0)
 
 
 class ServerMetrics:
@@ -86,6 +88,28 @@ class ServerMetrics:
             "KV integrity checks that failed (leaked or double-owned pages or rows)",
             registry=r,
         )
+        self.spec_verify_steps = Counter(
+            "minisgl_spec_verify_steps",
+            "Speculative verify steps (one per request per step that verified drafts)",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "minisgl_spec_draft_tokens", "Draft tokens verified by the target", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "minisgl_spec_accepted_tokens", "Draft tokens the target accepted", registry=r
+        )
+        self.spec_accept_length = Gauge(
+            "minisgl_spec_accept_length",
+            "Mean tokens emitted per verify step since start (accepted drafts + 1)",
+            registry=r,
+        )
+        self.spec_request_accept_length = Histogram(
+            "minisgl_spec_request_accept_length",
+            "Per finished request that speculated: tokens emitted per verify step",
+            buckets=_ACCEPT_BUCKETS,
+            registry=r,
+        )
         # Scheduler-side totals arrive as absolute numbers; counters only go up, so they are
         # advanced by the difference from what was seen at the previous scrape.
         self._seen: dict[str, int] = {}
@@ -120,6 +144,9 @@ class ServerMetrics:
             self.prompt_tokens.inc(out.prompt_tokens)
             self.cached_tokens.inc(out.cached_tokens)
             self.e2e.observe(now - group.arrival)
+            if out.spec_verify_steps:
+                steps = out.spec_verify_steps
+                self.spec_request_accept_length.observe(1 + out.spec_accepted_tokens / steps)
 
     def refresh(self, stats: dict[str, Any]) -> None:
         total = max(1, int(stats["total_pages"]))
@@ -136,6 +163,12 @@ class ServerMetrics:
         self._advance(self.rejected.labels("queue_full"), "rejected_queue_full", stats)
         for phase in ("waiting", "prefill", "decode"):
             self._advance(self.scheduler_aborts.labels(phase), f"aborts_{phase}", stats)
+        self._advance(self.spec_verify_steps, "spec_verify_steps", stats)
+        self._advance(self.spec_draft_tokens, "spec_draft_tokens", stats)
+        self._advance(self.spec_accepted_tokens, "spec_accepted_tokens", stats)
+        steps = int(stats.get("spec_verify_steps", 0))
+        if steps:
+            self.spec_accept_length.set(1 + int(stats["spec_accepted_tokens"]) / steps)
 
     def _advance(self, counter: Any, key: str, stats: dict[str, Any]) -> None:
         total = int(stats.get(key, 0))

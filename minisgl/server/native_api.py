@@ -17,6 +17,7 @@ from minisgl.server.frontend import RequestGroup, SequenceResult, ServiceUnavail
 from minisgl.server.protocol import GenerateRequest, choice_params
 from minisgl.server.state import ServerState, server_state
 from minisgl.server.streaming import DONE, open_choices, respond, sse
+from minisgl.speculative.report import spec_report
 
 router = APIRouter()
 
@@ -33,7 +34,9 @@ def finish_reason(r: SequenceResult) -> dict[str, Any] | None:
     return {"type": "abort", "message": r.error or "aborted"}
 
 
-def _item(rid: str, r: SequenceResult, arrival: float, with_logprobs: bool) -> dict[str, Any]:
+def _item(
+    rid: str, r: SequenceResult, arrival: float, with_logprobs: bool, speculative: bool
+) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": finish_reason(r),
@@ -42,6 +45,8 @@ def _item(rid: str, r: SequenceResult, arrival: float, with_logprobs: bool) -> d
         "cached_tokens": r.cached_tokens,
         "e2e_latency": time.perf_counter() - arrival,
     }
+    if speculative:
+        meta.update(spec_report(r.spec_verify_steps, r.spec_draft_tokens, r.spec_accepted_tokens))
     if with_logprobs:
         meta["output_token_logprobs"] = [[e.logprob, e.token_id, e.token] for e in r.logprobs]
         meta["output_top_logprobs"] = [
@@ -63,10 +68,12 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     base = body.rid or uuid.uuid4().hex
     ids = [base] if len(group.rids) == 1 else [f"{base}-{i}" for i in range(len(group.rids))]
     single = not is_batch and n == 1
+    spec = state.speculative
 
     def full(results: list[SequenceResult]) -> Any:
         items = [
-            _item(ids[i], r, group.arrival, body.return_logprob) for i, r in enumerate(results)
+            _item(ids[i], r, group.arrival, body.return_logprob, spec)
+            for i, r in enumerate(results)
         ]
         return items[0] if single else items
 
@@ -77,13 +84,13 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
             if out.error is not None:
                 for j in open_choices(results):
                     results[j].finish_reason, results[j].error = "abort", out.error
-                    event = _item(ids[j], results[j], group.arrival, body.return_logprob)
+                    event = _item(ids[j], results[j], group.arrival, body.return_logprob, spec)
                     yield sse(event if single else {**event, "index": j})
                 yield sse_error(out.error_status or 500, out.error)
                 break
             i = group.index[out.rid]
             results[i].add(out)
-            event = _item(ids[i], results[i], group.arrival, body.return_logprob)
+            event = _item(ids[i], results[i], group.arrival, body.return_logprob, spec)
             if not single:
                 event["index"] = i
             yield sse(event)

@@ -111,7 +111,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             }
             for i, r in enumerate(results)
         ]
-        return env.wrap(choices, usage=usage(results, n))
+        return env.wrap(choices, usage=usage(results, n, state.speculative))
 
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
         chunk_env = _Envelope(env.id, "chat.completion.chunk", env.created, env.model)
@@ -144,7 +144,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 yield chunk(i, delta, logprobs)
         else:
             if body.include_usage:
-                yield sse(chunk_env.wrap([], usage=usage(results, n)))
+                yield sse(chunk_env.wrap([], usage=usage(results, n, state.speculative)))
         yield DONE
 
     return await respond(request, group, body.stream, stream, full)
@@ -189,7 +189,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 {"index": i, "text": prefix + r.text, "logprobs": logprobs,
                  "finish_reason": r.finish_reason, "matched_stop": r.matched_stop}
             )  # fmt: skip
-        return env.wrap(choices, usage=usage(results, n))
+        return env.wrap(choices, usage=usage(results, n, state.speculative))
 
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
         extra = {"usage": None} if body.include_usage else {}
@@ -223,7 +223,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 yield sse(env.wrap([choice], **extra))
         else:
             if body.include_usage:
-                yield sse(env.wrap([], usage=usage(results, n)))
+                yield sse(env.wrap([], usage=usage(results, n, state.speculative)))
         yield DONE
 
     return await respond(request, group, body.stream, stream, full)

@@ -32,6 +32,11 @@ class ServerState:
     def served_model_name(self) -> str:
         return self.info.served_model_name
 
+    @property
+    def speculative(self) -> bool:
+        """Whether the engine speculates: responses then report the speculation figures."""
+        return bool(self.info.engine.get("speculative_algorithm"))
+
     def submit(self, items: list[SubmitItem]) -> RequestGroup:
         try:
             return self.frontend.submit(items)

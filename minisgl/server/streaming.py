@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from minisgl.ipc.messages import TextOutput
 from minisgl.server.errors import APIError
 from minisgl.server.frontend import RequestGroup, SequenceResult
+from minisgl.speculative.report import spec_report
 
 T = TypeVar("T")
 
@@ -120,17 +121,29 @@ def open_choices(results: list[SequenceResult]) -> list[int]:
     return [i for i, r in enumerate(results) if r.finish_reason is None]
 
 
-def usage(results: list[SequenceResult], n: int) -> dict[str, Any]:
-    """OpenAI usage: each prompt counted once (not once per choice), completions summed."""
+def usage(results: list[SequenceResult], n: int, speculative: bool = False) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once (not once per choice), completions summed.
+    With speculation, draft tokens kept and rejected go in OpenAI's predicted-output fields
+    (completion_tokens_details), and the spec_* figures of the native API alongside."""
     prompt = cached = 0
     for start in range(0, len(results), n):
         choices = results[start : start + n]
         prompt += max(r.prompt_tokens for r in choices)
         cached += max(r.cached_tokens for r in choices)
     completion = sum(r.completion_tokens for r in results)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if speculative:
+        steps = sum(r.spec_verify_steps for r in results)
+        drafted = sum(r.spec_draft_tokens for r in results)
+        accepted = sum(r.spec_accepted_tokens for r in results)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        }
+        out.update(spec_report(steps, drafted, accepted))
+    return out

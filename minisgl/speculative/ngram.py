@@ -17,6 +17,7 @@ class NgramDrafter:
     tokens: list[int] = field(default_factory=list)
     # n-gram -> position just after its latest occurrence that has a successor
     index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    missed: bool = False  # the last verified draft was rejected from its first token
 
     def extend(self, new_tokens: list[int]) -> None:
         for tok in new_tokens:

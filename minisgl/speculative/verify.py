@@ -70,3 +70,13 @@ def verify(
     tokens = torch.cat([d, torch.zeros_like(d[:, :1])], dim=1)
     tokens[rows, n_acc] = last
     return tokens, n_acc + 1
+
+
+def verify_greedy(target_logits: Tensor, draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """``verify`` for greedy targets, from logits [B, K+1, V]: keep the drafts that equal the
+    target's argmax; the next token is the argmax after the last kept draft. Returns what
+    ``verify`` returns with one-hot target probabilities."""
+    best = target_logits.argmax(dim=-1)  # [B, K+1]
+    k = draft_tokens.shape[1]
+    n_acc = torch.cumprod((draft_tokens == best[:, :k]).to(torch.int64), dim=1).sum(dim=1)
+    return best, n_acc + 1

@@ -228,6 +228,9 @@ class Worker:
             matched_stop=matched,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
+            spec_verify_steps=out.spec_verify_steps,
+            spec_draft_tokens=out.spec_draft_tokens,
+            spec_accepted_tokens=out.spec_accepted_tokens,
         )
         if stream.first:
             result.prompt_text = stream.prompt_text

@@ -1,11 +1,12 @@
-"""N-gram drafting and exact rejection-sampling verification (not yet wired into serving)."""
+"""Speculative decoding: n-gram drafting and exact rejection-sampling verification."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minisgl.speculative.ngram import NgramDrafter
-from minisgl.speculative.verify import verify
+from minisgl.speculative.verify import verify, verify_greedy
 
 
 def test_ngram_proposes_the_latest_continuation() -> None:
@@ -29,6 +30,24 @@ def test_greedy_keeps_exactly_the_matching_prefix() -> None:
     assert n.item() == 4 and toks[0].tolist() == [2, 4, 1, 3]  # all kept plus the bonus
     toks, n = verify(probs, torch.tensor([[2, -1, -1]]), None, seeds, steps)
     assert n.item() == 2 and toks[0, :2].tolist() == [2, 4]  # short draft, then bonus
+
+
+def test_greedy_fast_path_equals_rejection_sampling() -> None:
+    """verify_greedy (what the engine runs for all-greedy batches) == verify on one-hot p."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 4, 6, generator=gen)
+    best = logits.argmax(-1)
+    # Drafts that follow the argmax for a random number of positions, then diverge or pad.
+    keep = torch.randint(0, 4, (64,), generator=gen)
+    drafts = torch.where(torch.arange(3) < keep[:, None], best[:, :3], (best[:, :3] + 1) % 6)
+    drafts[::5, 2] = -1
+    probs = torch.nn.functional.one_hot(best, 6).float()
+    seeds, steps = torch.arange(64), torch.zeros(64, dtype=torch.long)
+    toks, num = verify(probs, drafts, None, seeds, steps)
+    fast, fast_num = verify_greedy(logits, drafts)
+    assert torch.equal(num, fast_num)
+    for i in range(64):
+        assert toks[i, : num[i]].tolist() == fast[i, : num[i]].tolist()
 
 
 def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -97,3 +116,45 @@ def test_ngram_speculation_keeps_greedy_outputs(tiny_models: dict) -> None:  # t
     b = llm.generate([prompts[0], prompts[1]], [sp, sp])[0]["token_ids"]
     assert a == b and len(a) == 20
     assert_engine_clean(llm)
+
+
+def test_draft_model_sampling_follows_the_target(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """End to end with a draft model of another architecture (q far from p): the first three
+    tokens are jointly distributed as the target's. Tokens 2 and 3 are the two verified
+    draft positions of one step, token 4 its bonus, so this checks the draft's recorded q,
+    its noise being independent of the verifier's, and the residual resampling."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl import LLM, SamplingParams
+    from tests.helpers import make_tiny_model
+
+    root = tmp_path_factory.mktemp("peaked")
+    vocab, prompt, n = 32, [10, 20, 30, 4], 1500
+    target = make_tiny_model(root / "target", "llama", seed=3, init_std=0.2, vocab_size=vocab)
+    draft = make_tiny_model(root / "draft", "qwen3", seed=4, init_std=0.2, vocab_size=vocab)
+    llm = LLM(str(target), speculative_draft_model=str(draft), speculative_num_steps=2)
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)
+    ]
+    outs = [r["token_ids"] for r in llm.generate([prompt] * n, params, use_tqdm=False)]
+    stats = llm.scheduler.stats
+    assert 0 < stats["spec_accepted"] < stats["spec_drafted"]  # both branches taken
+    # Exact joint distribution of tokens 1..3 under the target (HF forwards, fp32).
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    ids = torch.arange(vocab)
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        ctx2 = torch.cat([torch.tensor(prompt).expand(vocab, -1), ids[:, None]], 1)
+        p2 = torch.softmax(model(ctx2).logits[:, -1], -1)  # [t1, t2]
+        pairs = torch.cartesian_prod(ids, ids)
+        ctx3 = torch.cat([torch.tensor(prompt).expand(vocab * vocab, -1), pairs], 1)
+        p3 = torch.softmax(model(ctx3).logits[:, -1], -1).view(vocab, vocab, vocab)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+    cells = torch.tensor([(a * vocab + b) * vocab + c for a, b, c, _ in outs])
+    counts = torch.bincount(cells, minlength=vocab**3).float()
+    # Cells expected fewer than 5 times are pooled into one.
+    big = joint * n >= 5
+    counts = torch.cat([counts[big], counts[~big].sum()[None]])
+    probs = torch.cat([joint[big], joint[~big].sum()[None]])
+    dof = len(probs) - 1
+    assert _chi2(counts, probs) < dof + 5 * (2 * dof) ** 0.5, dof  # ~p < 1e-5

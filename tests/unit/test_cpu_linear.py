@@ -1,0 +1,28 @@
+"""The CPU linear paths (W @ x^T for <= 2 rows, oneDNN from 3) agree with F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.layers.cpu_linear import ONEDNN, linear, pack
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 64, generator=gen)
+    ref = F.linear(x, w, b)
+    packed = pack(w)
+    assert (packed is not None) == ONEDNN
+    for p in (None, packed):
+        out = linear(x, w, b, p)
+        assert out.shape == ref.shape and out.is_contiguous()
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Other dtypes and 3-d inputs take F.linear unchanged.
+    assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+    assert torch.equal(linear(x[None], w, b), F.linear(x[None], w, b))
