@@ -27,9 +27,37 @@ PASSAGE = (
     "single step. To be or not to be, that is the question. All that glitters is not gold. "
     "The early bird catches the worm, but the second mouse gets the cheese."
 )
+CODE = """def merge_sorted(left, right):
+    result = []
+    i = 0
+    j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+
+
+def merge_sort(items):
+    if len(items) <= 1:
+        return items
+    middle = len(items) // 2
+    left = merge_sort(items[:middle])
+    right = merge_sort(items[middle:])
+    return merge_sorted(left, right)
+"""
+# Code edits that return the whole file, and a verbatim repeat: most output tokens copy
+# the prompt, as in code-edit and retrieval traffic.
 TASKS = [
+    "Rename the function merge_sorted to merge_lists everywhere in this code and output the "
+    f"full code:\n\n```python\n{CODE}```",
+    f"Add a docstring to merge_sort and output the whole file unchanged otherwise:\n\n```python\n{CODE}```",
     f"Repeat the following passage exactly, word for word:\n\n{PASSAGE}",
-    f"Rewrite the following passage, replacing 'fox' with 'cat' and changing nothing else:\n\n{PASSAGE}",
 ]
 
 
@@ -63,7 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--num-steps", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--draft-model", default=None, help="also run draft-model speculation")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=None)
