@@ -24,11 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_step(llm: LLM) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     llm.scheduler.step()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t) * 1e3
 
 
