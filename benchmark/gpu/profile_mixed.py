@@ -45,15 +45,16 @@ def main() -> None:
     args = ap.parse_args()
     llm = LLM(args.model, load_format="dummy", context_length=4096, disable_overlap_scheduling=True)
     sched, rng = llm.scheduler, random.Random(0)
+    vocab = min(10_000, llm.engine.model_config.vocab_size)
     long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
     for _ in range(args.decodes):
-        sched.add_request([rng.randrange(10, 10_000) for _ in range(200)], long)
+        sched.add_request([rng.randrange(10, vocab) for _ in range(200)], long)
     for _ in range(20):
         sched.step()  # prefill them and warm every path (compiles happen here)
     decode = sorted(timed_step(llm) for _ in range(20))
     mixed = []
     for i in range(6):
-        sched.add_request([rng.randrange(10, 10_000) for _ in range(args.prompt_len)], long)
+        sched.add_request([rng.randrange(10, vocab) for _ in range(args.prompt_len)], long)
         if i == 5:
             prof = cProfile.Profile()
             prof.enable()
