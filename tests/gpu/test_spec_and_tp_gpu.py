@@ -1,0 +1,78 @@
+"""GPU checks for speculative decoding and tensor parallelism (device tool:
+`python -m pytest tests/gpu -m gpu`; the TP test needs two GPUs and skips otherwise).
+
+Speculation (n-gram and a draft model, whose decodes replay CUDA graphs) must leave greedy
+outputs unchanged with graphs and overlap on; TP=2 over NCCL must equal TP=1 with graphs and
+overlap on.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from tests.conftest import assert_engine_clean
+from tests.helpers import make_tiny_model, perturbed_copy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu_spec")
+    target = make_tiny_model(root / "target", "qwen3", max_position_embeddings=2048)
+    return {"target": target, "draft": perturbed_copy(target, root / "draft", scale=0.01)}
+
+
+def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = random.Random(5)
+    motif = [rng.randrange(3, 256) for _ in range(12)]
+    prompts = []
+    for i in range(16):
+        body = motif * rng.randint(2, 6) if i % 2 else [rng.randrange(3, 256) for _ in range(40)]
+        prompts.append(body + [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))])
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(8, 48), ignore_eos=True)
+        for _ in prompts
+    ]
+    return prompts, params
+
+
+def _greedy(path: Path, **options: object) -> list[list[int]]:
+    prompts, params = _workload()
+    llm = LLM(str(path), dtype="float32", **options)  # type: ignore[arg-type]
+    out = [r["token_ids"] for r in llm.generate(prompts, params)]
+    assert_engine_clean(llm)
+    return out
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"speculative_algorithm": "ngram"},
+        {"speculative_draft_model": "draft"},
+        {"speculative_draft_model": "target"},
+    ],
+    ids=["ngram", "draft-model", "same-model-draft"],
+)
+def test_speculation_keeps_greedy_outputs_on_gpu(
+    models: dict[str, Path], spec: dict[str, str]
+) -> None:
+    ref = _greedy(models["target"])
+    options: dict[str, object] = dict(spec)
+    if "speculative_draft_model" in options:
+        options["speculative_draft_model"] = str(models[spec["speculative_draft_model"]])
+    assert _greedy(models["target"], **options) == ref
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_equals_tp1_with_graphs_and_overlap(models: dict[str, Path]) -> None:
+    ref = _greedy(models["target"])
+    assert _greedy(models["target"], tp_size=2) == ref
