@@ -5,12 +5,14 @@ or a dead peer) instead of hanging the suite."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +244,11 @@ def _server_follower(config: EngineConfig, out: Any) -> None:
     destroy_tp_group()
 
 
-def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
+@contextlib.contextmanager
+def _rank0_with_follower(follower: Any) -> Iterator[tuple[Any, Any, Any, EngineConfig]]:
+    """Rank 0 of a two-rank gloo group in this process, ``follower(config, out)`` as rank 1
+    in a spawned one; yields rank 0's RankSync, rank 1's result queue and process, and the
+    config both ranks were started with."""
     import multiprocessing as mp
 
     import torch
@@ -254,11 +260,19 @@ def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
     config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_server_follower, args=(config, out), daemon=True)
+    proc = ctx.Process(target=follower, args=(config, out), daemon=True)
     proc.start()
     try:
         init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
-        sync = RankSync(TPInfo(0, 2))
+        yield RankSync(TPInfo(0, 2)), out, proc, config
+    finally:
+        destroy_tp_group()
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
+    with _rank0_with_follower(_server_follower) as (sync, out, proc, _):
         sent: list[list[Any]] = [[], [{"rid": 3, "ids": [1, 2]}, ("abort", 3)], [], [{"rid": 4}]]
         for msgs in sent:
             assert sync.exchange(msgs) == msgs
@@ -267,10 +281,6 @@ def test_server_rank_sync_hands_every_rank_the_same_messages() -> None:
         assert out.get(timeout=120) == sent
         proc.join(30)
         assert proc.exitcode == 0
-    finally:
-        destroy_tp_group()
-        if proc.is_alive():
-            proc.kill()
 
 
 def _mismatched_follower(config: EngineConfig, out: Any) -> None:
@@ -295,33 +305,15 @@ def _mismatched_follower(config: EngineConfig, out: Any) -> None:
 
 
 def test_server_ranks_take_rank0_settings_and_refuse_other_engine_flags() -> None:
-    import multiprocessing as mp
-
-    import torch
-
-    from minisgl.distributed import TPInfo
     from minisgl.distributed.channel import ProtocolMismatch
-    from minisgl.distributed.group import destroy_tp_group, init_tp_group
-    from minisgl.distributed.server_sync import RankSync
 
-    config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_mismatched_follower, args=(config, out), daemon=True)
-    proc.start()
-    try:
-        init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
-        sync = RankSync(TPInfo(0, 2))
+    with _rank0_with_follower(_mismatched_follower) as (sync, out, proc, config):
         assert sync.share(7) == 7
         with pytest.raises(ProtocolMismatch, match=r"rank 1: page_size=4 \(rank 0: 1\)"):
             sync.require_same(config, "engine flags")
         assert "page_size=4 (rank 0: 1)" in out.get(timeout=120)
         proc.join(30)
         assert proc.exitcode == 0
-    finally:
-        destroy_tp_group()
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_topology_and_flags() -> None:
