@@ -5,7 +5,9 @@ Measured on the 2-core AMD EPYC dev box (fp32, SmolLM2-135M's 30 layers, best of
 speculative verify — its GEMV reads the weights at ~11 GB/s and its small-M GEMM is slower
 still. The same product as W @ x^T (the large operand first, both K-contiguous) streams them
 at ~30 GB/s for 2 rows (29 ms per decode); from 3 rows on, oneDNN with weights reordered
-once at load time does best (36 ms for the 5-token verify, and faster prefill than MKL).
+once at load time does best (36 ms for the 5-token verify), up to 256 rows (MKL beyond).
+oneDNN caches a primitive per shape and that cache grew the scheduler's memory by ~10% over
+a soak test, so its row counts are padded to 19 bucket sizes.
 Results equal F.linear's up to float rounding. Elsewhere (CUDA, other dtypes) F.linear runs.
 The reordered weights are a second copy (+~0.5 GB for SmolLM2-135M in fp32);
 MINISGL_CPU_ONEDNN=0 keeps only the originals (and F.linear from 3 rows on).
@@ -48,9 +50,28 @@ def linear(
         xs = torch.cat([x, x]) if rows == 1 else x
         y = torch.mm(weight, xs.T).T[:rows].contiguous()
         return y + bias if bias is not None else y
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if packed is not None and rows <= ONEDNN_MAX_ROWS:
+        # oneDNN keeps a primitive (and its scratch memory) per distinct shape: padding the
+        # rows to a few bucket sizes keeps that cache, and the process's memory, bounded.
+        b = onednn_rows(rows)
+        xp = x if b == rows else torch.cat([x, x.new_zeros(b - rows, x.shape[1])])
+        y = torch.ops.mkldnn._linear_pointwise(xp, packed, bias, "none", [], "")
+        return y if b == rows else y[:rows]
     return F.linear(x, weight, bias)
+
+
+# Beyond this many rows MKL's GEMM is efficient and oneDNN gains little.
+ONEDNN_MAX_ROWS = 256
+
+
+def onednn_rows(rows: int) -> int:
+    """The bucket a product of ``rows`` rows is padded to: exact up to 16 (speculative
+    verifies, small batches), then 32, 64 and multiples of 64: 19 sizes in all."""
+    if rows <= 16:
+        return rows
+    if rows <= 64:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // 64) * 64
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

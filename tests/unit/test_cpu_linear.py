@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers.cpu_linear import ONEDNN, linear, pack
+from minisgl.layers.cpu_linear import ONEDNN, ONEDNN_MAX_ROWS, linear, onednn_rows, pack
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64, 65, 200, 256, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(rows: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
@@ -26,3 +26,11 @@ def test_matches_f_linear(rows: int, with_bias: bool) -> None:
     # Other dtypes and 3-d inputs take F.linear unchanged.
     assert torch.equal(linear(x.double(), w.double()), F.linear(x.double(), w.double()))
     assert torch.equal(linear(x[None], w, b), F.linear(x[None], w, b))
+
+
+def test_onednn_shapes_are_bounded() -> None:
+    """oneDNN keeps a primitive per distinct shape (its memory grew without bound in a soak
+    test): every row count it sees is padded to one of a few bucket sizes."""
+    buckets = {onednn_rows(r) for r in range(3, ONEDNN_MAX_ROWS + 1)}
+    assert buckets == set(range(3, 17)) | {32, 64, 128, 192, 256}
+    assert all(onednn_rows(r) >= r for r in range(3, ONEDNN_MAX_ROWS + 1))
