@@ -17,7 +17,9 @@ ends it releases the other ranks (`RankSync.stop`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import signal
 import time
@@ -325,6 +327,7 @@ class SchedulerLoop:
         every request row free. A violation is logged and counted; serving goes on."""
         if self.dirty and time.monotonic() - self.last_check >= INTEGRITY_INTERVAL_S:
             self._check_integrity()
+            trim_heap()
 
     def _check_integrity(self) -> str | None:
         self.dirty, self.last_check = False, time.monotonic()
@@ -384,6 +387,23 @@ class SchedulerLoop:
             "rejected_queue_full": self.rejected_queue_full,
             **{f"aborts_{phase}": n for phase, n in self.aborts.items()},
         }
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the OS, once idle after work. Bursts of large
+    temporaries (long prefills, prompt-logprob logits on CPU) would otherwise keep the
+    process at its high-water mark for good: glibc returns little of it by itself."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _phase(req: Req) -> str:
