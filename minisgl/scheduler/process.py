@@ -101,6 +101,12 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
             }
         )
         loop.run()
+    if tp.size > 1:
+        # Leave gloo/NCCL before the interpreter exits: tearing down a live group at exit
+        # can abort the process ("terminate called without an active exception").
+        from minisgl.distributed.group import destroy_tp_group
+
+        destroy_tp_group()
 
 
 class SchedulerLoop:

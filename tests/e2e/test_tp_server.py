@@ -7,6 +7,7 @@ a loop-level test, since CPU runs never pick it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -240,12 +241,14 @@ def test_two_simulated_nodes(models: dict[str, Path]) -> None:
 def _loop_rank(config: Any, args: Any) -> None:
     """Rank 1 of the loop-level test: the scheduler process's body, overlap forced on."""
     from minisgl.distributed import TPInfo
+    from minisgl.distributed.group import destroy_tp_group
     from minisgl.engine.engine import Engine
     from minisgl.scheduler.process import SchedulerLoop
 
     loop = SchedulerLoop(Engine(config, TPInfo(1, 2)), args)
     loop.scheduler.overlap = True
     loop.run()
+    destroy_tp_group()  # leave gloo before exiting, as run_scheduler's ranks do
 
 
 def test_overlap_scheduling_keeps_the_ranks_in_step(
@@ -279,7 +282,10 @@ def test_overlap_scheduling_keeps_the_ranks_in_step(
     rank1.start()
     thread = None
     try:
-        loop = SchedulerLoop(Engine(config, TPInfo(0, 2)), args)
+        # Rank 0 runs in this process's thread: its "parent" is this process's parent (with
+        # our own pid it would think its parent gone and leave the loop when idle).
+        rank0_args = dataclasses.replace(args, parent_pid=os.getppid())
+        loop = SchedulerLoop(Engine(config, TPInfo(0, 2)), rank0_args)
         loop.scheduler.overlap = True
         harness = Harness(loop, args.addresses)
         thread = threading.Thread(target=loop.run, daemon=True)
