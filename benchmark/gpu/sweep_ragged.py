@@ -42,7 +42,11 @@ def balanced_plan(
 def main() -> None:
     import triton.testing
 
-    from minisgl.attention.triton_backend import TritonBackend
+    from minisgl.attention.triton_backend import (
+        decode_split_cap,
+        decode_tiles,
+        plan_decode_splits,
+    )
     from minisgl.kernels.attention import decode_attention
 
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
@@ -70,11 +74,10 @@ def main() -> None:
         gb = n_tok * hk * d * 2 * 2 / 1e9
         cases: list[tuple[str, list[int], int, dict[str, int], int]] = []
         # The engine's own policy, as it stands at this commit.
-        backend = TritonBackend.__new__(TritonBackend)
-        plan_fn = getattr(backend, "decode_plan", None)
-        if plan_fn is not None:
-            plan, cap, (bn, w, st) = plan_fn(lens, hk, sms)
-            cases.append(("engine", plan, cap, {"num_warps": w, "num_stages": st}, bn))
+        cap = decode_split_cap(bsz, hk, sms, 16)
+        bn, w, st = decode_tiles(cap)
+        plan = plan_decode_splits(lens, hk, sms, cap, 64, bn)
+        cases.append(("engine", plan, cap, {"num_warps": w, "num_stages": st}, bn))
         for waves in (1, 2, 4, 8, 16):
             for min_chunk in (128, 256):
                 for n, w, st in tiles:

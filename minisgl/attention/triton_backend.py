@@ -42,6 +42,12 @@ def extend_tiles(head_dim: int, max_extend: int) -> tuple[int, int, int]:
     return block_m, 64, 8 if head_dim > 64 else 4
 
 
+# Split-KV decode plan, from the tile/plan sweep over the offline workload's real ragged
+# batches (benchmark/gpu/sweep_ragged.py, benchmark/RESULTS.md): aim for about this many
+# waves of SM-sized program sets. Big batches (B * Hk >= waves * SMs) are not split at all.
+DECODE_WAVES = 4
+
+
 def plan_decode_splits(
     seq_lens: list[int],
     num_kv_heads: int,
@@ -49,37 +55,47 @@ def plan_decode_splits(
     max_splits: int,
     min_split_tokens: int,
     block_n: int,
+    waves: int = DECODE_WAVES,
 ) -> list[int]:
-    """KV chunks per decode row, so that B * Hk * splits programs fill about two waves of SMs.
+    """KV chunks per decode row: chunks of about equal size, so that B * Hk * splits
+    programs fill about ``waves`` waves of SMs and no program runs much longer than the rest
+    (a long row gets more chunks than a short one).
 
-    Splitting only pays when the batch alone leaves SMs idle, and a chunk shorter than
-    ``min_split_tokens`` costs more in the reduction than it saves. The count is then
-    shrunk so that every chunk, rounded up to ``block_n`` as the kernel does, is non-empty.
+    A chunk shorter than ``min_split_tokens`` costs more in the reduction than it saves.
+    The count is then shrunk so that every chunk, rounded up to ``block_n`` as the kernel
+    does, is non-empty.
     """
-    want = decode_split_cap(len(seq_lens), num_kv_heads, num_sms, max_splits)
-    if want == 1:
+    cap = decode_split_cap(len(seq_lens), num_kv_heads, num_sms, max_splits, waves)
+    if cap == 1:
         return [1] * len(seq_lens)  # a big batch fills the GPU without splitting
+    lens = [max(n, 1) for n in seq_lens]  # padding rows of a captured graph may be empty
+    chunk = max(min_split_tokens, cdiv(sum(lens) * num_kv_heads, waves * num_sms))
     plan = []
-    for length in seq_lens:
-        length = max(length, 1)  # padding rows of a captured graph may be empty
-        n = max(1, min(want, cdiv(length, min_split_tokens)))
-        chunk = cdiv(cdiv(length, n), block_n) * block_n
-        plan.append(max(1, cdiv(length, chunk)))
+    for length in lens:
+        n = max(1, min(cap, cdiv(length, chunk)))
+        aligned = cdiv(cdiv(length, n), block_n) * block_n
+        plan.append(max(1, cdiv(length, aligned)))
     return plan
 
 
-def decode_split_cap(batch: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
-    """Largest useful split count: enough programs for about two waves of SMs."""
-    return max(1, min(max_splits, cdiv(2 * num_sms, max(1, batch * num_kv_heads))))
+def decode_split_cap(
+    batch: int, num_kv_heads: int, num_sms: int, max_splits: int, waves: int = DECODE_WAVES
+) -> int:
+    """The decode grid's split axis: enough programs for about ``waves`` waves of SMs. It
+    depends on the batch size only, so a CUDA graph captured per size stays valid."""
+    return max(1, min(max_splits, cdiv(waves * num_sms, max(1, batch * num_kv_heads))))
 
 
-def _decode_launch(max_splits: int) -> dict[str, int]:
-    """Warps and pipeline depth of the decode kernel (tile sweep on the H200,
-    benchmark/gpu/sweep_decode.py): unsplit big batches stream KV best with 2 warps and 3
-    stages (4.1 vs 3.2 TB/s at 256 x 1024 tokens), split small batches with 4 warps."""
-    return (
-        {"num_warps": 2, "num_stages": 3} if max_splits == 1 else {"num_warps": 4, "num_stages": 2}
-    )
+def decode_tiles(max_splits: int) -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the decode kernel. On the offline workload's ragged
+    batches (H200 sweep) unsplit rows stream KV best in 128-token tiles (3.8 TB/s vs 3.4
+    with 32-token ones); split small batches prefer shorter tiles, since their chunks are
+    short."""
+    if max_splits == 1:
+        return 128, 4, 3
+    if max_splits <= 4:
+        return 64, 4, 2
+    return 32, 4, 2
 
 
 class TritonBackend(AttentionBackend):
@@ -92,9 +108,9 @@ class TritonBackend(AttentionBackend):
         pool: KVPool,
         *,
         max_kv_splits: int = 16,
-        min_split_tokens: int = 256,
+        min_split_tokens: int = 64,
         num_sms: int | None = None,
-        decode_block_n: int = 32,
+        decode_block_n: int | None = None,
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         stager: DeviceStager | None = None,
@@ -108,6 +124,10 @@ class TritonBackend(AttentionBackend):
         # Overrides exist so tests can force many small tiles; None = per-head-dim defaults.
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
+
+    def _decode_tiles(self, max_splits: int) -> tuple[int, int, int]:
+        block_n, warps, stages = decode_tiles(max_splits)
+        return (self.decode_block_n or block_n), warps, stages
 
     def _sm_count(self, device: torch.device) -> int:
         if self.num_sms is None:
@@ -139,7 +159,7 @@ class TritonBackend(AttentionBackend):
             )
             splits = plan_decode_splits(
                 seq, self.pool.num_kv_heads, self._sm_count(device), max_splits,
-                self.min_split_tokens, self.decode_block_n,
+                self.min_split_tokens, self._decode_tiles(max_splits)[0],
             )  # fmt: skip
         else:
             block_m = self.extend_block_m or block_m
@@ -195,10 +215,10 @@ class TritonBackend(AttentionBackend):
         k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
         store_kv(k_cache, v_cache, k, v, out_slots)
         if md.is_decode:
+            block_n, warps, stages = self._decode_tiles(md.max_splits)
             return decode_attention(
                 q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
-                md.max_splits, scale, block_n=self.decode_block_n,
-                **_decode_launch(md.max_splits),
+                md.max_splits, scale, block_n=block_n, num_warps=warps, num_stages=stages,
             )  # fmt: skip
         return extend_attention(
             q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,

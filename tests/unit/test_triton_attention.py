@@ -213,7 +213,8 @@ def test_decode_matches_reference_with_splits(prefix, hq, hk, d, ps) -> None:
 @interpreted
 def test_decode_default_plan() -> None:
     backend = run_case([600, 5], [1, 1], 4, 2, 64, 16)
-    assert splits_of(backend, [600, 5], [1, 1], 2) == [3, 1]
+    # 8 SMs on CPU: cap 8 splits, 32-token tiles; the 601-token row takes 7 chunks of 96.
+    assert splits_of(backend, [600, 5], [1, 1], 2) == [7, 1]
 
 
 @interpreted
@@ -283,11 +284,16 @@ def test_store_kv_strided_wide_rows_and_cast() -> None:
 
 
 def test_plan_decode_splits() -> None:
-    # Big batch: enough programs without splitting.
-    assert plan_decode_splits([5000] * 64, 8, 132, 16, 256, 64) == [1] * 64
-    # One long request: capped by max_splits; short ones by min_split_tokens.
-    assert plan_decode_splits([100_000, 300, 10], 8, 132, 16, 256, 64) == [11, 2, 1]
+    # Big batch (128 x 8 programs >= 4 waves of 132 SMs): enough programs without splitting.
+    assert plan_decode_splits([5000] * 128, 8, 132, 16, 64, 64) == [1] * 128
+    # 64 rows: the grid may split in two; equal rows of 5000 tokens take both halves.
+    assert plan_decode_splits([5000] * 64, 8, 132, 16, 64, 64) == [2] * 64
+    # Chunks are sized from the batch's total KV, so the long row gets every split allowed
+    # and the short ones stay whole (no program waits on a much longer one).
+    assert plan_decode_splits([100_000, 300, 10], 8, 132, 16, 256, 64) == [16, 1, 1]
     assert plan_decode_splits([100_000], 1, 132, 16, 256, 64) == [16]
+    # Batch 1 with a short context still spreads over the SMs, down to min_split_tokens.
+    assert plan_decode_splits([228], 8, 132, 16, 64, 32) == [4]
     assert plan_decode_splits([0], 1, 132, 16, 256, 64) == [1]
     # The kernel's chunking (BLOCK_N-rounded) never leaves a planned chunk empty.
     for length in range(1, 400, 7):
