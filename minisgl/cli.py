@@ -40,6 +40,8 @@ FLAG_HELP: dict[str, str] = {
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
     "attention_backend": "auto | torch | triton | flashinfer",
     "cuda_graph_max_bs": "largest CUDA-graph batch size (0 disables CUDA graphs)",
+    "cuda_graph_max_tokens": "prefill/mixed steps up to this many tokens replay CUDA graphs "
+    "(default 2048; 0 runs them eagerly)",
     "tp_size": "tensor-parallel degree",
     "max_running_requests": "most requests decoded at once",
     "seed": "engine seed (requests without a seed draw theirs from it)",

@@ -29,6 +29,9 @@ class EngineConfig:
     schedule_policy: str = "fcfs"  # fcfs | lpm
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     cuda_graph_max_bs: int | None = None  # None = auto; 0 disables CUDA graphs
+    # Prefill/mixed steps of up to this many new tokens replay CUDA graphs too (padded to
+    # the next captured count). None = auto (2048 on CUDA); 0 runs them eagerly.
+    cuda_graph_max_tokens: int | None = None
     disable_overlap_scheduling: bool = False
     tp_size: int = 1
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
@@ -53,6 +56,12 @@ class EngineConfig:
             "max_running_requests",
             self.max_running_requests,
             ">= 1",
+        )
+        _check(
+            self.cuda_graph_max_tokens is None or self.cuda_graph_max_tokens >= 0,
+            "cuda_graph_max_tokens",
+            self.cuda_graph_max_tokens,
+            ">= 0",
         )
         _check(
             self.chunked_prefill_size >= 1,

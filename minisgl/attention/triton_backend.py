@@ -34,6 +34,15 @@ class TritonMetadata:
     packed: torch.Tensor  # the one device buffer every index tensor above is a view of
 
 
+@dataclass(frozen=True)
+class ExtendGraphShape:
+    """Launch shape of extend attention inside a CUDA graph: row and query-tile capacity."""
+
+    rows: int
+    tiles: int
+    block_m: int
+
+
 def extend_tiles(head_dim: int, max_extend: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the extend kernel for Hopper-class GPUs."""
     if head_dim > 128:
@@ -138,6 +147,26 @@ class TritonBackend(AttentionBackend):
         return self.num_sms
 
     def prepare(self, layout: BatchLayout, device: torch.device) -> TritonMetadata:
+        return self._prepare(layout, device, None)
+
+    def prepare_extend_graph(
+        self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape
+    ) -> TritonMetadata:
+        """Extend metadata with launch shapes fixed by ``pad`` alone (a CUDA graph captured
+        for that shape replays any batch that fits): rows and query tiles are padded with an
+        empty row (no new tokens, no prefix), whose tiles return at once."""
+        assert len(layout.extend_lens) <= pad.rows, (len(layout.extend_lens), pad)
+        return self._prepare(layout, device, pad)
+
+    def extend_graph_shape(self, tokens: int, rows: int) -> ExtendGraphShape:
+        """The padded shape of an extend graph for up to ``tokens`` new tokens in ``rows``."""
+        block_m = self.extend_block_m or extend_tiles(self.pool.head_dim, tokens)[0]
+        # Each row's last tile may be partial: at most one tile per row beyond T / BLOCK_M.
+        return ExtendGraphShape(rows, cdiv(tokens, block_m) + rows, block_m)
+
+    def _prepare(
+        self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
+    ) -> TritonMetadata:
         prefix, ext = layout.prefix_lens, layout.extend_lens
         seq = layout.seq_lens
         bsz = len(ext)
@@ -145,7 +174,7 @@ class TritonBackend(AttentionBackend):
         for e in ext:
             starts.append(acc)
             acc += e
-        is_decode = layout.is_decode
+        is_decode = layout.is_decode and pad is None
         splits: list[int] = []
         block_batch: list[int] = []
         block_qstart: list[int] = []
@@ -164,19 +193,33 @@ class TritonBackend(AttentionBackend):
         else:
             block_m = self.extend_block_m or block_m
             block_n = self.extend_block_n or block_n
+            if pad is not None:
+                block_m = pad.block_m
             for i, e in enumerate(ext):
                 for q0 in range(0, e, block_m):
                     block_batch.append(i)
                     block_qstart.append(q0)
+        rows = layout.req_rows
+        if pad is not None:
+            # Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the
+            # last of them, so their programs exit before touching memory.
+            assert len(block_batch) <= pad.tiles, (len(block_batch), pad)
+            fill = pad.rows + 1 - bsz
+            rows = rows + [rows[0] if rows else 0] * fill
+            prefix, ext, seq = prefix + [0] * fill, ext + [0] * fill, seq + [0] * fill
+            starts = starts + [acc] * fill
+            spare = pad.tiles - len(block_batch)
+            block_batch = block_batch + [pad.rows] * spare
+            block_qstart = block_qstart + [0] * spare
         # One host-to-device copy for every index the kernels need, each field 16-byte
         # aligned (Triton specialises kernels on pointer alignment).
-        fields = [layout.req_rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
+        fields = [rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
         stager = self.stager if self.stager is not None else DeviceStager(device)
         # Views of one buffer: copy_metadata refreshes a captured graph's with one copy.
         flat, parts = stager.stage_flat(fields, torch.int32)
         return TritonMetadata(
             is_decode=is_decode,
-            batch=bsz,
+            batch=bsz if pad is None else pad.rows,
             page_table=layout.page_table,
             row_ids=parts[0],
             prefix_lens=parts[1],
@@ -196,7 +239,8 @@ class TritonBackend(AttentionBackend):
     def copy_metadata(self, dst: object, src: object) -> None:
         """Write decode metadata ``src`` into captured ``dst`` in place (one device copy)."""
         assert isinstance(dst, TritonMetadata) and isinstance(src, TritonMetadata)
-        assert dst.is_decode and src.is_decode and dst.batch == src.batch
+        assert dst.is_decode == src.is_decode and dst.batch == src.batch
+        assert dst.packed.shape == src.packed.shape and dst.block_m == src.block_m
         assert dst.page_table is src.page_table, "graphs read the engine's one page table"
         dst.packed.copy_(src.packed, non_blocking=True)
 

@@ -1,10 +1,17 @@
-"""CUDA graphs for decode batches.
+"""CUDA graphs for decode batches and for small prefill/mixed batches.
 
 Decode steps of a small model are bound by kernel launches, not by the GPU: one graph
 replay replaces hundreds of launches. Graphs are captured for a list of batch sizes up to
 ``max_bs``; a batch is padded to the next captured size with dummy rows that read and
 write a scratch page nobody owns. Sampling stays outside the graph (its work depends on
 the requests' parameters), the LM head is inside.
+
+Prefill and mixed prefill+decode steps of up to ``max_tokens`` new tokens replay graphs
+too, captured per token count (padded to the next size): eagerly such a step costs tens of
+milliseconds of Triton launches on the host for ~1 ms of GPU work, and every running
+stream waits for it. Their attention metadata is padded to a fixed number of rows and query
+tiles (see TritonBackend.prepare_extend_graph); they return the hidden states of the rows
+to score, and the LM head runs after the replay, so each graph keeps only [rows, hidden].
 """
 
 from __future__ import annotations
@@ -23,6 +30,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def graph_token_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the prefill/mixed graphs: powers of two and their midpoints."""
+    sizes = [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens}) if max_tokens > 0 else []
+
+
 def graph_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, every 16 beyond: small padding waste where it counts."""
     sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, max_bs + 1, 16))
@@ -31,21 +44,35 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, engine: Engine, max_bs: int) -> None:
+    def __init__(self, engine: Engine, max_bs: int, max_tokens: int = 0) -> None:
         self.engine = engine
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
+        backend = engine.attn_backend
+        # Prefill/mixed graphs need a backend that can pad its extend metadata.
+        self.token_sizes = (
+            graph_token_sizes(max_tokens) if hasattr(backend, "extend_graph_shape") else []
+        )
         dev = engine.device
         self.dummy_row = engine.page_table.shape[0] - 1
         self.scratch_slot = engine.scratch_slot
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
-        self.out_slots = torch.full((self.max_bs,), self.scratch_slot, dtype=torch.long, device=dev)
+        width = max([self.max_bs] + self.token_sizes)
+        self.input_ids = torch.zeros(width, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(width, dtype=torch.long, device=dev)
+        self.out_slots = torch.full((width,), self.scratch_slot, dtype=torch.long, device=dev)
         self.logits_index = torch.arange(self.max_bs, device=dev)
+        # Prefill/mixed graphs score rows the caller picks: a buffer of their own.
+        self.ext_logits_index = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.metadata: dict[int, object] = {}
+        # Prefill/mixed graphs, by padded token count: row capacity, shape, graph, output.
+        self.ext_rows = {t: min(t, self.max_bs) for t in self.token_sizes}
+        self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.ext_outputs: dict[int, torch.Tensor] = {}
+        self.ext_metadata: dict[int, object] = {}
         self.pool: Any = None  # the memory pool handle the graphs share
+        self.replays = {"decode": 0, "extend": 0}  # for tests and logs
         self._capture_all()
 
     def _dummy_layout(self, bs: int) -> BatchLayout:
@@ -72,7 +99,9 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.engine.device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its pool
+            for tokens in reversed(self.token_sizes):  # largest first: the rest reuse its pool
+                self._capture_extend(tokens, stream)
+            for bs in reversed(self.sizes):
                 md = self.engine.attn_backend.prepare(self._dummy_layout(bs), self.engine.device)
                 batch = self._batch(bs, md)
                 model(batch)  # warm-up (Triton autotune/compile happens outside capture)
@@ -86,6 +115,80 @@ class CudaGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.engine.device)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        if self.token_sizes:
+            logger.info("captured CUDA graphs for prefill/mixed token counts %s", self.token_sizes)
+
+    def _ext_shape(self, tokens: int) -> Any:
+        return self.engine.attn_backend.extend_graph_shape(tokens, self.ext_rows[tokens])  # type: ignore[attr-defined]
+
+    def _ext_batch(self, tokens: int, metadata: object) -> ForwardBatch:
+        rows = self.ext_rows[tokens]
+        return ForwardBatch(
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
+            out_slots=self.out_slots[:tokens],
+            attn_backend=self.engine.attn_backend,
+            attn_metadata=metadata,
+            logits_index=self.ext_logits_index[:rows],
+        )
+
+    def _capture_extend(self, tokens: int, stream: torch.cuda.Stream) -> None:
+        # Captured on one row of ``tokens`` new tokens in the scratch row: the padded shape,
+        # not the layout, fixes every launch.
+        layout = BatchLayout([self.dummy_row], [0], [tokens], self.engine.page_table)
+        backend: Any = self.engine.attn_backend
+        md = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(tokens))
+        batch = self._ext_batch(tokens, md)
+        body: Any = self.engine.model.model  # the decoder stack, without the LM head
+        body(batch)  # warm-up: compiles happen outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            self.ext_outputs[tokens] = body(batch)[batch.logits_index]
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.ext_graphs[tokens] = graph
+        self.ext_metadata[tokens] = md
+
+    def can_run_extend(self, layout: BatchLayout, num_logits: int) -> bool:
+        if not self.token_sizes:
+            return False
+        tokens = layout.num_tokens
+        if tokens > self.token_sizes[-1]:
+            return False
+        size = next(s for s in self.token_sizes if s >= tokens)
+        rows = self.ext_rows[size]
+        return len(layout.req_rows) <= rows and num_logits <= rows
+
+    def run_extend(
+        self,
+        layout: BatchLayout,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_slots: torch.Tensor,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits at ``logits_index`` of a prefill/mixed batch, through its token-count graph."""
+        n = layout.num_tokens
+        size = next(s for s in self.token_sizes if s >= n)
+        backend: Any = self.engine.attn_backend
+        fresh = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(size))
+        backend.copy_metadata(self.ext_metadata[size], fresh)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.out_slots[:n].copy_(out_slots, non_blocking=True)
+        if n < size:
+            # Padding tokens belong to no row: they write the scratch slot and are not scored.
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.out_slots[n:size].fill_(self.scratch_slot)
+        r = logits_index.shape[0]
+        self.ext_logits_index[:r].copy_(logits_index, non_blocking=True)
+        # Stale indices from a bigger graph's replay could point past this graph's tokens.
+        self.ext_logits_index[r : self.ext_rows[size]].zero_()
+        self.ext_graphs[size].replay()
+        self.replays["extend"] += 1
+        model: Any = self.engine.model
+        return model.logits(self.ext_outputs[size][:r])  # type: ignore[no-any-return]
 
     def can_run(self, layout: BatchLayout) -> bool:
         return layout.is_decode and len(layout.req_rows) <= self.max_bs
@@ -116,4 +219,5 @@ class CudaGraphRunner:
             self.positions[n:bs].zero_()
             self.out_slots[n:bs].fill_(self.scratch_slot)
         self.graphs[bs].replay()
+        self.replays["decode"] += 1
         return self.outputs[bs][:n]

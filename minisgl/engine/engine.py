@@ -213,7 +213,8 @@ class Engine:
         if max_bs is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
             max_bs = 256 if total > 80 * 2**30 else 160
-        return CudaGraphRunner(self, min(max_bs, self.max_running_requests))
+        max_tokens = 2048 if c.cuda_graph_max_tokens is None else c.cuda_graph_max_tokens
+        return CudaGraphRunner(self, min(max_bs, self.max_running_requests), max_tokens)
 
     # ---------------------------------------------------------------- step
     def to_device(
@@ -316,8 +317,12 @@ class Engine:
         """Float32 logits at ``logits_index`` for a batch whose tensors are on the device.
         ``graph_ok``: the logits wanted are every row's, in order, so a decode batch may
         replay a captured CUDA graph."""
-        if graph_ok and self.graph_runner is not None and self.graph_runner.can_run(layout):
-            return self.graph_runner.run(layout, ids, pos, slots)
+        runner = self.graph_runner
+        if runner is not None:
+            if graph_ok and runner.can_run(layout):
+                return runner.run(layout, ids, pos, slots)
+            if runner.can_run_extend(layout, logits_index.shape[0]):
+                return runner.run_extend(layout, ids, pos, slots, logits_index)
         batch = ForwardBatch(
             input_ids=ids,
             positions=pos,

@@ -89,5 +89,8 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns float32 logits [R, vocab] for the tokens in ``batch.logits_index``."""
-        hidden = self.model(batch)
-        return self.lm_head.compute_logits(hidden[batch.logits_index]).float()
+        return self.logits(self.model(batch)[batch.logits_index])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [R, vocab] of final hidden states [R, hidden]."""
+        return self.lm_head.compute_logits(hidden).float()

@@ -81,6 +81,9 @@ def test_matches_hf_on_gpu_fp32(tiny: Path) -> None:
         dict(attention_backend="triton"),
         dict(attention_backend="triton", page_size=16),
         dict(attention_backend="triton", chunked_prefill_size=64, cache="naive"),
+        dict(attention_backend="triton", chunked_prefill_size=96),
+        dict(attention_backend="triton", chunked_prefill_size=96, cuda_graph_max_tokens=0),
+        dict(attention_backend="triton", chunked_prefill_size=300, page_size=16),
     ],
     ids=[
         "torch-eager-sync",
@@ -90,6 +93,9 @@ def test_matches_hf_on_gpu_fp32(tiny: Path) -> None:
         "triton-graph-overlap",
         "page16",
         "chunk64-naive",
+        "mixed-graphs",
+        "mixed-eager",
+        "mixed-graphs-page16",
     ],
 )
 def test_switches_do_not_change_greedy_fp32(tiny: Path, options: dict) -> None:
@@ -107,17 +113,26 @@ def test_switches_do_not_change_greedy_fp32(tiny: Path, options: dict) -> None:
     out = [r["token_ids"] for r in llm.generate(prompts, params)]
     assert out == ref
     assert_engine_clean(llm)
+    runner = llm.engine.graph_runner
+    if runner is not None and options.get("chunked_prefill_size", 8192) <= 300:
+        # Every prefill chunk fits a prefill/mixed graph: they must really have replayed.
+        graphs_on = options.get("cuda_graph_max_tokens") != 0
+        assert (runner.replays["extend"] > 0) == graphs_on, runner.replays
 
 
 def test_bf16_graphs_and_overlap_identical(tiny: Path) -> None:
     """bf16 (the CUDA default): graphs/overlap on vs off must agree exactly."""
     prompts, params = _workload()
     outs = []
-    for opts in (dict(cuda_graph_max_bs=0, disable_overlap_scheduling=True), {}):
+    for opts in (
+        dict(cuda_graph_max_bs=0, disable_overlap_scheduling=True),
+        {},
+        dict(chunked_prefill_size=128),
+    ):
         llm = LLM(str(tiny), **opts)
         outs.append([r["token_ids"] for r in llm.generate(prompts, params)])
         assert_engine_clean(llm)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_exact_max_tokens_and_eos_under_overlap(tiny: Path) -> None:

@@ -267,6 +267,43 @@ def test_decode_replay_with_new_lengths() -> None:
 
 
 @interpreted
+def test_extend_graph_padding_replays_any_fitting_batch() -> None:
+    """Prefill/mixed CUDA-graph pattern: metadata padded to a fixed row/tile capacity and
+    tokens padded to a bucket (padding tokens write a scratch slot). Captured on one
+    batch's metadata, refreshed with another's: real tokens' outputs equal the unpadded
+    launch exactly, and the padding changes no KV slot but the scratch one."""
+    hq, hk, d, ps = 4, 2, 64, 1
+    world = make_world([0, 21, 7], [13, 1, 9], hk, d, ps, torch.float32, 5)
+    other = make_world([3], [2], hk, d, ps, torch.float32, 6)
+    tokens, rows = 32, 4
+    backend = TritonBackend(world.pool, extend_block_m=16, extend_block_n=16)
+    shape = backend.extend_graph_shape(tokens, rows)
+    assert shape.block_m == 16 and shape.tiles == 2 + rows
+    md = backend.prepare_extend_graph(other.layout, DEVICE, shape)  # "captured"
+    md.page_table = world.layout.page_table
+    backend.copy_metadata(md, backend.prepare_extend_graph(world.layout, DEVICE, shape))
+    n = sum(world.layout.extend_lens)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(tokens, hq, d, generator=g).to(DEVICE)
+    k, v = (torch.randn(tokens, hk, d, generator=g).to(DEVICE) for _ in range(2))
+    lay = world.layout
+    used = {int(x) for r, sl in zip(lay.req_rows, lay.seq_lens) for x in lay.page_table[r, :sl]}
+    scratch = min(set(range(world.pool.num_slots)) - used)  # a slot no row of the batch reads
+    slots = torch.cat([world.out_slots, torch.full((tokens - n,), scratch, device=DEVICE)])
+    before = world.pool.buffer.clone()
+    out = backend.forward(q, k, v, 1, slots, md, 0.125)
+    padded_pool = world.pool.buffer.clone()
+    world.pool.buffer.copy_(before)
+    ref = backend.forward(
+        q[:n], k[:n], v[:n], 1, world.out_slots, backend.prepare(lay, DEVICE), 0.125
+    )
+    assert torch.equal(out[:n], ref)
+    keep = torch.ones(world.pool.num_slots, dtype=torch.bool)
+    keep[scratch] = False
+    assert torch.equal(padded_pool[:, :, keep], world.pool.buffer[:, :, keep])
+
+
+@interpreted
 def test_store_kv_strided_wide_rows_and_cast() -> None:
     # Hk * D = 1280 > one program's 1024-wide block; fp32 source into a bf16 pool.
     t, hk, d = 5, 8, 160
