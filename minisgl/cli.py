@@ -36,6 +36,8 @@ FLAG_HELP: dict[str, str] = {
     "cpu_kv_cache_gb": "CPU: KV pool budget in GiB",
     "chunked_prefill_size": "token budget per scheduler step",
     "disable_mixed_batch": "never mix prefill chunks with decodes in one batch",
+    "disable_fused_rope_store": "run q/k norm, RoPE and the KV-cache store as separate kernels "
+    "(CUDA; outputs are identical either way)",
     "cache": "prefix cache: radix | naive",
     "schedule_policy": "fcfs | lpm (longest prefix match first)",
     "attention_backend": "auto | torch | triton | flashinfer",

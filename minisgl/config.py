@@ -33,6 +33,8 @@ class EngineConfig:
     # the next captured count). None = auto (2048 on CUDA); 0 runs them eagerly.
     cuda_graph_max_tokens: int | None = None
     disable_overlap_scheduling: bool = False
+    # CUDA: q/k norm, RoPE and the K/V store run as one kernel per layer (bit-identical).
+    disable_fused_rope_store: bool = False
     tp_size: int = 1
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP. dist_init_addr is rank 0's host:port for the

@@ -38,6 +38,11 @@ class BatchLayout:
 
 
 class AttentionBackend(ABC):
+    # True: the attention layer writes this step's K/V into ``pool`` itself (fused with its
+    # q/k norm and RoPE, see kernels/qk_rope_store.py) and calls ``attend`` instead of
+    # ``forward``. Set per instance by backends that implement ``attend``.
+    fused_kv_store: bool = False
+
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
@@ -67,3 +72,10 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Store k/v at ``out_slots`` and attend. q: [T, Hq, D]; k, v: [T, Hk, D]; out [T, Hq*D]."""
+
+    def attend(
+        self, q: torch.Tensor, layer_id: int, metadata: object, scale: float
+    ) -> torch.Tensor:
+        """Attend with this step's K/V already in the pool (``fused_kv_store``): ``forward``
+        without the store. q: [T, Hq, D]; out [T, Hq*D]."""
+        raise NotImplementedError(f"{type(self).__name__} stores K/V in forward only")

@@ -123,9 +123,12 @@ class TritonBackend(AttentionBackend):
         extend_block_m: int | None = None,
         extend_block_n: int | None = None,
         stager: DeviceStager | None = None,
+        fused_kv_store: bool = False,
     ) -> None:
         super().__init__(pool)
         self.stager = stager
+        # The engine turns this on for CUDA runs (see AttentionBackend.fused_kv_store).
+        self.fused_kv_store = fused_kv_store
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
         self.num_sms = num_sms
@@ -254,10 +257,15 @@ class TritonBackend(AttentionBackend):
         metadata: object,
         scale: float,
     ) -> torch.Tensor:
+        store_kv(self.pool.k(layer_id), self.pool.v(layer_id), k, v, out_slots)
+        return self.attend(q, layer_id, metadata, scale)
+
+    def attend(
+        self, q: torch.Tensor, layer_id: int, metadata: object, scale: float
+    ) -> torch.Tensor:
         md = metadata
         assert isinstance(md, TritonMetadata)
         k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
-        store_kv(k_cache, v_cache, k, v, out_slots)
         if md.is_decode:
             block_n, warps, stages = self._decode_tiles(md.max_splits)
             return decode_attention(

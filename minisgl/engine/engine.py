@@ -199,7 +199,10 @@ class Engine:
         if name == "triton":
             from minisgl.attention.triton_backend import TritonBackend
 
-            return TritonBackend(self.pool, stager=self.stager)
+            # Fused only on CUDA: there the unfused layers run the same Triton kernels, so the
+            # switch never changes outputs (on CPU they fall back to torch).
+            fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
+            return TritonBackend(self.pool, stager=self.stager, fused_kv_store=fused)
         raise ValueError(f"attention_backend={name!r} is not available")
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:

@@ -5,6 +5,11 @@ to the activation dtype, statistics run in float32, the normalised row is rounde
 activation dtype, and only then is it multiplied by the weight. Each row's elements must be
 contiguous; rows themselves may be strided, either [N, D] or a [T, H, D] per-head view (q/k
 norm straight on slices of a fused QKV output, without a copy).
+
+The fused q/k-norm + RoPE + KV-store kernel (qk_rope_store.py) must give the same bits as
+q/k norm here: it reduces rows in a tile of the same shape (``row_tile``), and both kernels
+are compiled without FMA contraction (RoPE needs that, and a contracted sum of squares
+would round differently).
 """
 
 from __future__ import annotations
@@ -69,6 +74,15 @@ def _rms_norm_kernel(
     tl.store(out_ptr + out_off, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def row_tile(d: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N columns, num_warps) of the tile that reduces rows of width d.
+    Depends on the row width only, so one compiled variant serves every batch size; the
+    compiler lays out (and so orders) the sum of squares by this shape and warp count."""
+    block_n = triton.next_power_of_2(d)
+    block_m = max(1, _TILE // block_n)
+    return block_m, block_n, min(16, max(4, block_m * block_n // 1024))
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """Returns (x with unit last stride, heads, token stride, head stride) for the kernel."""
     if x.stride(-1) != 1:
@@ -104,15 +118,14 @@ def _launch(
         rk, r_heads, srt, srh = _rows(residual)
         assert r_heads == heads
     n_rows = xk.numel() // d
-    block_n = triton.next_power_of_2(d)
-    # Depends on the row width only, so one compiled variant serves every batch size.
-    block_m = max(1, _TILE // block_n)
-    num_warps = min(16, max(4, block_m * block_n // 1024))
+    block_m, block_n, num_warps = row_tile(d)
     grid = (cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
         xk, rk, weight, out, res_out if res_out is not None else out,
         n_rows, d, heads, sxt, sxh, srt, srh, eps,
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        # Sum x*x with separate multiplies and adds, as the fused q/k-norm kernel must.
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out, res_out
 

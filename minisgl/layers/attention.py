@@ -45,10 +45,33 @@ class SelfAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
-        out = batch.attn_backend.forward(
-            q, k, v, self.layer_id, batch.out_slots, batch.attn_metadata, self.scale
-        )
+        backend = batch.attn_backend
+        if backend.fused_kv_store:
+            q = self._norm_rope_store(q, k, v, batch)
+            out = backend.attend(q, self.layer_id, batch.attn_metadata, self.scale)
+        else:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(batch.positions, q, k)
+            out = backend.forward(
+                q, k, v, self.layer_id, batch.out_slots, batch.attn_metadata, self.scale
+            )
         return self.o_proj(out)
+
+    def _norm_rope_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """q/k norm, RoPE and the K/V store in one kernel (bit-identical to the unfused
+        path on the GPU); returns the rotated q."""
+        # Imported here so CPU-only installs never need triton.
+        from minisgl.kernels.qk_rope_store import fused_qk_norm_rope_store
+
+        pool = batch.attn_backend.pool
+        q_w = k_w = None
+        eps = 0.0
+        if self.q_norm is not None and self.k_norm is not None:
+            q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+        return fused_qk_norm_rope_store(
+            q, k, v, batch.positions, self.rotary.cos_table, self.rotary.sin_table,
+            pool.k(self.layer_id), pool.v(self.layer_id), batch.out_slots, q_w, k_w, eps,
+        )  # fmt: skip
