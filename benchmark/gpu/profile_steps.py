@@ -97,9 +97,52 @@ def window(llm: LLM, steps: int, label: str) -> None:
         )
 
 
+def gaps(llm: LLM) -> None:
+    """The whole offline run with a CUDA event pair around every step's forward: GPU time
+    inside steps vs idle gaps between them (the GPU waiting for the host)."""
+    prompts, mt = workload()
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=m) for m in mt]
+    llm.generate(prompts[:8], params[:8], use_tqdm=False)
+    engine = llm.engine
+    forward = engine.forward
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
+
+    def timed_forward(layout, *args, **kwargs):  # type: ignore[no-untyped-def]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = forward(layout, *args, **kwargs)
+        end.record()
+        marks.append((start, end, len(layout.req_rows)))
+        return out
+
+    engine.forward = timed_forward  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    engine.forward = forward  # type: ignore[method-assign]
+    inside = [a.elapsed_time(b) for a, b, _ in marks]
+    between = [marks[i][1].elapsed_time(marks[i + 1][0]) for i in range(len(marks) - 1)]
+    print(
+        f"wall {wall:.3f} s over {len(marks)} steps: GPU inside steps {sum(inside) / 1e3:.3f} s, "
+        f"idle between steps {sum(between) / 1e3:.3f} s"
+    )
+    for lo, hi in ((0, 32), (32, 96), (96, 192), (192, 257)):
+        sel = [i for i, (_, _, b) in enumerate(marks[:-1]) if lo <= b < hi]
+        if sel:
+            ins = sum(inside[i] for i in sel)
+            gap = sum(between[i] for i in sel)
+            print(
+                f"  rows {lo}-{hi - 1}: {len(sel)} steps, inside {ins / len(sel):.3f} ms/step, "
+                f"gap after {gap / len(sel):.3f} ms/step"
+            )
+    big = sorted(range(len(inside)), key=lambda i: -inside[i])[:5]
+    print("  longest steps:", [(marks[i][2], round(inside[i], 2)) for i in big])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=("offline", "bs1"), default="offline")
+    ap.add_argument("--mode", choices=("offline", "bs1", "gaps"), default="offline")
     ap.add_argument("--model", default="benchmark/configs/Qwen3-0.6B")
     args = ap.parse_args()
     llm = LLM(
@@ -110,6 +153,9 @@ def main() -> None:
         cuda_graph_max_bs=256,
     )
     s = llm.scheduler
+    if args.mode == "gaps":
+        gaps(llm)
+        return
     if args.mode == "bs1":
         prompt = [(7 * i) % 1000 + 10 for i in range(128)]
         s.add_request(prompt, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
