@@ -317,7 +317,8 @@ class Engine:
         logits_index: torch.Tensor,
         graph_ok: bool,
     ) -> torch.Tensor:
-        """Float32 logits at ``logits_index`` for a batch whose tensors are on the device.
+        """Logits at ``logits_index``, in the model's dtype (consumers upcast), for a batch
+        whose tensors are on the device.
         ``graph_ok``: the logits wanted are every row's, in order, so a decode batch may
         replay a captured CUDA graph."""
         runner = self.graph_runner

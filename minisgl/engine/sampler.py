@@ -147,6 +147,11 @@ class SamplingBatch:
         pens = (self.repetition_penalties, self.frequency_penalties, self.presence_penalties)
         return any(t is not None for t in pens)
 
+    @property
+    def need_filters(self) -> bool:
+        """Whether any sampled row truncates its distribution (top-k, top-p or min-p)."""
+        return self.need_top_k or self.need_top_p or self.need_min_p
+
     @classmethod
     def build(
         cls,
@@ -264,10 +269,13 @@ class Sampler:
         # Triton kernel is one. Its float logs may round unlike eager's by a few ulps: keep
         # one Sampler per run.
         self._race: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] = race
+        # Temperature, greedy rows and the race in one pass over the logits in model dtype.
+        self._fused: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None
         if use_triton:
-            from minisgl.kernels.sampling import triton_race
+            from minisgl.kernels.sampling import triton_race, triton_sample
 
             self._race = triton_race
+            self._fused = triton_sample
 
     def sample(
         self,
@@ -276,12 +284,16 @@ class Sampler:
         penalty_state: PenaltyState | None = None,
         penalty_rows: Tensor | None = None,
     ) -> SampleOutput:
-        """One token per row of `logits` [B, V]; row b's penalty slot is penalty_rows[b]."""
+        """One token per row of `logits` [B, V] (any float dtype; float32 math throughout);
+        row b's penalty slot is penalty_rows[b]."""
         x = logits
         if batch.need_penalties:
             x = self._apply_penalties(x.float(), batch, penalty_state, penalty_rows)
         if batch.all_greedy:
             next_tokens = x.argmax(dim=-1)  # with no penalties, the whole step is one kernel
+        elif self._fused is not None and not (batch.need_penalties or batch.need_filters):
+            # The common case: no float32 copy, no scaled copy, greedy rows inside.
+            next_tokens = self._fused(logits, batch.temperatures, batch.seeds, batch.steps)
         else:
             next_tokens = self._sample_rows(x.float(), batch)
             if batch.any_greedy:

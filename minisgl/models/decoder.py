@@ -88,9 +88,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns float32 logits [R, vocab] for the tokens in ``batch.logits_index``."""
+        """Logits [R, vocab] in the model's dtype for the tokens in ``batch.logits_index``.
+
+        Not upcast here: a float32 copy of [R, vocab] is a full extra pass per step, and the
+        fused sampler reads the model's dtype itself. Consumers that need float32 convert
+        (bf16/fp16 -> fp32 is exact, so their results are the same)."""
         return self.logits(self.model(batch)[batch.logits_index])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [R, vocab] of final hidden states [R, hidden]."""
-        return self.lm_head.compute_logits(hidden).float()
+        """Logits [R, vocab] (model dtype) of final hidden states [R, hidden]."""
+        return self.lm_head.compute_logits(hidden)

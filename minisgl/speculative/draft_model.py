@@ -192,9 +192,9 @@ class _DraftSampler:
         self.probs = torch.zeros(len(reqs), k, vocab, device=dev)
 
     def sample(self, logits: torch.Tensor, j: int) -> torch.Tensor:
-        x = logits.float()
         if self.probs is None:
-            return x.argmax(dim=-1)
+            return logits.argmax(dim=-1)  # the same in the model's dtype: no float32 copy
+        x = logits.float()  # logits come in the model's dtype; the upcast is exact
         m = len(x)
         scaled = x / self.temps[:m, None]
         tok = race(scaled, self.seeds[:m], self.steps[:m] + j, self.ids)

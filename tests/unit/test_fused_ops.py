@@ -13,8 +13,10 @@ and float32 casts round correctly in it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -228,9 +230,32 @@ def check_layers_dispatch(device: torch.device) -> None:
     _close(torch_act.silu_and_mul(gated), torch_act.silu_and_mul(gated.cpu()), dtype)
 
 
+@contextlib.contextmanager
+def _race_chunks(min_programs: int) -> Iterator[None]:
+    """Chunk the race as if a batch needed ``min_programs`` programs: 1 gives the largest
+    chunks (4 blocks) on small test inputs, the default one block per chunk."""
+    from minisgl.kernels import sampling
+
+    saved = sampling._MIN_PROGRAMS
+    sampling._MIN_PROGRAMS = min_programs
+    try:
+        yield
+    finally:
+        sampling._MIN_PROGRAMS = saved
+
+
+CHUNKINGS = (1, 1 << 20)  # 4-block chunks, 1-block chunks
+
+
 def check_sampling_race(device: torch.device) -> None:
     """The Triton race draws what the eager race draws: same hash, same winner (the float
     logs may round a few ulps apart, so a rare near-tie is allowed to differ)."""
+    for min_programs in CHUNKINGS:
+        with _race_chunks(min_programs):
+            _sampling_race(device)
+
+
+def _sampling_race(device: torch.device) -> None:
     from minisgl.engine.sampler import race
     from minisgl.kernels.sampling import triton_race
 
@@ -258,6 +283,137 @@ def check_sampling_race(device: torch.device) -> None:
         scores[5:6].to(device), seeds[5:6].to(device), steps[5:6].to(device), vocab_ids
     )
     assert alone.item() == full[5].item()
+    # A row with every entry masked gives column 0, as the eager race's argmax does.
+    masked = torch.full((2, 3000), float("-inf"), device=device)
+    got = triton_race(masked, seeds[:2].to(device), steps[:2].to(device), vocab_ids[:3000])
+    assert got.tolist() == [0, 0]
+
+
+def _sample_case(
+    rows: int, vocab: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits, temperatures (every other row greedy, from row 0), seeds, steps; on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype)
+    temps = torch.rand(rows, generator=g) * 1.5 + 0.1
+    temps[::2] = 0.0
+    seeds = torch.randint(-(2**62), 2**62, (rows,), generator=g)
+    steps = torch.randint(0, 4096, (rows,), generator=g)
+    return logits, temps, seeds, steps
+
+
+def _race_values(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """The eager sampler's race values: x / T - log E, x = the logits in float32."""
+    from minisgl.engine.sampler import uniform_noise
+
+    x = logits.float()
+    scaled = x / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
+    neg_u = -uniform_noise(seeds, steps, torch.arange(x.shape[1]))
+    return scaled - neg_u.log1p().neg().log()
+
+
+def _sample_ref(
+    logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+) -> torch.Tensor:
+    """What the eager sampler draws: the race on x / T; greedy rows the argmax of x."""
+    from minisgl.engine.sampler import race
+
+    x = logits.float()
+    scaled = x / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
+    drawn = race(scaled, seeds, steps, torch.arange(x.shape[1]))
+    return torch.where(temps == 0, x.argmax(-1), drawn)
+
+
+def _assert_same_draws(got: torch.Tensor, case: tuple[torch.Tensor, ...], dev: str) -> None:
+    """Greedy rows exactly the argmax; sampled rows exactly the eager draw when interpreted
+    (numpy's float logs round as torch's), and on a GPU up to a near-tie its logs may flip."""
+    logits, temps, seeds, steps = case
+    got, want = got.cpu(), _sample_ref(*case)
+    assert got.dtype == torch.int64 and got.shape == want.shape
+    greedy = temps == 0
+    assert torch.equal(got[greedy], want[greedy]), (got, want)
+    if dev == "cpu":
+        assert torch.equal(got, want), (got, want)
+        return
+    vals = _race_values(logits, temps, seeds, steps)
+    for b in (got != want).nonzero().flatten().tolist():
+        a, w = float(vals[b, got[b]]), float(vals[b, want[b]])
+        assert abs(a - w) <= 1e-5 * max(1.0, abs(w)), (b, a, w)
+
+
+def check_sampling_fused(device: torch.device) -> None:
+    """Temperature, greedy rows and the race in one pass draw the eager sampler's tokens, from
+    logits in any float dtype, at vocab sizes that are not a multiple of a block or chunk."""
+    from minisgl.kernels.sampling import triton_sample
+
+    shapes = ((1, 5000), (3, 5000), (7, 5000), (2, 151936), (4, 2048), (3, 2049))
+    for min_programs in CHUNKINGS:
+        with _race_chunks(min_programs):
+            for dtype in (F32, BF16, F16):
+                for i, (rows, vocab) in enumerate(shapes):
+                    case = _sample_case(rows, vocab, dtype, seed=i)
+                    got = triton_sample(*(t.to(device) for t in case))
+                    _assert_same_draws(got, case, device.type)
+    # Rows of a wider buffer (a vocab-padded LM head's slice) and a batch with no greedy row.
+    logits, temps, seeds, steps = _sample_case(5, 3000, BF16, seed=9)
+    wide = torch.cat([logits, torch.full((5, 72), 100.0, dtype=BF16)], dim=1).to(device)
+    temps[:] = 0.8
+    got = triton_sample(wide[:, :3000], temps.to(device), seeds.to(device), steps.to(device))
+    _assert_same_draws(got, (logits, temps, seeds, steps), device.type)
+
+
+def check_sampling_fused_ties(device: torch.device) -> None:
+    """Greedy rows keep torch.argmax's first maximum across lanes, blocks and chunks."""
+    from minisgl.kernels.sampling import triton_sample
+
+    vocab = 20_000
+    # (columns holding the row's maximum): different chunks; an earlier column in a later
+    # lane; one lane in two blocks; three ways, one in the last, partial block.
+    ties = [(17_000, 9_000), (2_050, 5), (100, 2_148), (19_999, 12_288, 4_096)]
+    for min_programs in CHUNKINGS:
+        with _race_chunks(min_programs):
+            for dtype in (F32, BF16):
+                logits, temps, seeds, steps = _sample_case(len(ties) + 2, vocab, dtype, seed=11)
+                for row, cols in enumerate(ties):
+                    logits[row, list(cols)] = 50.0
+                logits[len(ties)] = 0.0  # all equal: column 0
+                temps[: len(ties) + 1] = 0.0  # the last row samples
+                case = (logits, temps, seeds, steps)
+                got = triton_sample(*(t.to(device) for t in case)).cpu()
+                assert got[: len(ties) + 1].tolist() == [min(c) for c in ties] + [0]
+                _assert_same_draws(got, case, device.type)
+
+
+def check_sampler_uses_fused_path(device: torch.device) -> None:
+    """`Sampler(use_triton=True)` gives the eager Sampler's tokens and logprobs, on the fused
+    path (mixed greedy rows, logprobs) and on the top-k path (`triton_race` with ids)."""
+    from minisgl.engine.sampler import Sampler, SamplingBatch
+    from minisgl.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(12)
+    logits = (torch.randn(6, 3000, generator=g) * 3).to(BF16)
+    plain = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+        SamplingParams(temperature=0.6),
+        SamplingParams(temperature=1.3, top_k=1),  # greedy
+        SamplingParams(temperature=0.9, logprobs=True),
+    ] * 2
+    top_k = [SamplingParams(temperature=0.7, top_k=40), SamplingParams(temperature=0.0)] * 3
+    for params in (plain[:6], top_k):
+        seeds, steps = list(range(100, 106)), [3, 1, 4, 1, 5, 9]
+        want = Sampler().sample(logits, SamplingBatch.build(params, seeds, steps, "cpu"))
+        batch = SamplingBatch.build(params, seeds, steps, device)
+        got = Sampler(use_triton=True).sample(logits.to(device), batch)
+        assert torch.equal(got.next_tokens.cpu(), want.next_tokens)
+        for a, b in (
+            (got.chosen_logprobs, want.chosen_logprobs),
+            (got.top_logprobs, want.top_logprobs),
+        ):
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                torch.testing.assert_close(a.cpu(), b)
 
 
 CHECKS = kernel_checks.collect(globals())

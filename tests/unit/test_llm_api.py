@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams
 from tests.conftest import assert_engine_clean
@@ -111,6 +112,36 @@ def test_logprobs_and_top_logprobs(llm: LLM) -> None:
         assert len(top) == 3
         best = max(top, key=top.get)
         assert best == tok and abs(top[tok] - lp) < 1e-6  # greedy picks the top-1
+
+
+def test_logits_stay_in_model_dtype_and_logprobs_use_their_float32(
+    tiny_models: dict[str, Path],
+) -> None:
+    """A bf16 model hands back bf16 logits (no float32 copy); the chosen tokens, logprobs and
+    prompt logprobs are those of the exact float32 upcast."""
+    llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16")
+    seen: list[torch.Tensor] = []
+    hook = llm.engine.model.register_forward_hook(lambda _m, _i, out: seen.append(out.clone()))
+    prompt = [5, 6, 7, 8, 9, 10]
+    params = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logprobs=True, prompt_logprobs=0
+    )
+    try:
+        res = llm.generate([prompt], params)[0]
+    finally:
+        hook.remove()
+    assert seen and all(x.dtype == torch.bfloat16 for x in seen)
+    # The prefill's rows: the sampling row, then the prompt positions that score prompt[1:].
+    prefill = seen[0]
+    assert prefill.shape[0] == len(prompt)
+    prompt_lp = torch.log_softmax(prefill[1:].float(), -1)
+    want = prompt_lp.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(res["prompt_logprobs"]), want)
+    rows = [prefill[:1]] + seen[1:4]  # then one decode row per step
+    for tok, lp, logits in zip(res["token_ids"], res["logprobs"], rows, strict=True):
+        assert tok == int(logits.argmax())
+        torch.testing.assert_close(lp, float(torch.log_softmax(logits.float(), -1)[0, tok]))
+    assert_engine_clean(llm)
 
 
 def test_penalties_change_output(llm: LLM) -> None:

@@ -427,6 +427,10 @@ def test_sample_does_not_sync_on_cuda() -> None:
 
     gpu_logits, gpu_rows = logits.to(dev), rows.to(dev)
     fresh_state(dev)  # warm the pinned-memory pool outside the checked region
+    # No penalties, no filters: the fused Triton pass (greedy rows inside, logits in bf16).
+    plain = [SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=True)] * 4
+    fused_sampler = Sampler(use_triton=True)
+    fused_sampler.sample(gpu_logits, SamplingBatch.build(plain, list(range(8)), [3] * 8, dev))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -437,8 +441,12 @@ def test_sample_does_not_sync_on_cuda() -> None:
         out = SAMPLER.sample(gpu_logits, batch, state, gpu_rows)
         state.add_tokens(gpu_rows, out.next_tokens)
         SAMPLER.sample(gpu_logits, greedy)
+        plain_batch = SamplingBatch.build(plain, list(range(8)), [3] * 8, dev)
+        fused = fused_sampler.sample(gpu_logits, plain_batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    cpu_plain = SamplingBatch.build(plain, list(range(8)), [3] * 8, "cpu")
+    assert torch.equal(fused.next_tokens.cpu(), SAMPLER.sample(logits, cpu_plain).next_tokens)
     # Same hash on both devices -> same tokens (barring exact float ties, absent here).
     assert torch.equal(out.next_tokens.cpu(), sample(SAMPLER, "cpu"))
     # The Triton race fuses the hash into one kernel but must draw the same tokens.
