@@ -18,7 +18,13 @@ from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.cuda_graph import CudaGraphRunner
-from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingRows
+from minisgl.engine.sampler import (
+    PenaltyState,
+    SampleOutput,
+    Sampler,
+    SamplingBatch,
+    SamplingRows,
+)
 from minisgl.engine.staging import DeviceStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
@@ -26,6 +32,7 @@ from minisgl.models.config import ModelConfig
 from minisgl.models.loader import init_dummy_weights, iter_safetensors, load_weights
 from minisgl.models.registry import build_model
 from minisgl.models.resolve import ResolvedModel, resolve_model_path
+from minisgl.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +132,8 @@ class Engine:
         # The token each table row sampled last: the next decode's input under overlap.
         self.last_tokens = torch.zeros(rows, dtype=torch.long, device=self.device)
         self.graph_runner = self._make_graph_runner()
+        if self.device.type == "cuda":
+            self._warm_up_sampler()
 
     # ---------------------------------------------------------------- setup
     def _load_weights(self) -> None:
@@ -204,6 +213,27 @@ class Engine:
             fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
             return TritonBackend(self.pool, stager=self.stager, fused_kv_store=fused)
         raise ValueError(f"attention_backend={name!r} is not available")
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """Compile the sampler's kernels for every launch shape they take (greedy,
+        temperature, top-k; few and many rows) before serving: a compile in the middle of a
+        run stalls every request in flight."""
+        hidden = torch.zeros(1, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        model: Any = self.model
+        vocab = model.logits(hidden).shape[1]  # the LM head's width (TP may pad it)
+        kinds = (
+            SamplingParams(temperature=0),
+            SamplingParams(temperature=0.7),
+            SamplingParams(temperature=0.7, top_k=40, top_p=0.9),
+        )
+        for rows in (1, 16, 256):
+            logits = torch.zeros(rows, vocab, dtype=self.dtype, device=self.device)
+            for params in kinds:
+                batch = SamplingBatch.build([params] * rows, [0] * rows, [0] * rows, self.device)
+                self.sampler.sample(logits, batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _make_graph_runner(self) -> CudaGraphRunner | None:
         c = self.config

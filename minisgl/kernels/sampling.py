@@ -163,9 +163,10 @@ def _race(
         HAS_IDS=ids is not None, HAS_TEMPS=temps is not None, BLOCK=_BLOCK, num_warps=8,
     )  # fmt: skip
     if n_chunks > 1:
-        _race_reduce_kernel[(rows,)](
-            best, arg, out, n_chunks, CHUNKS=triton.next_power_of_2(n_chunks), num_warps=1
-        )
+        # CHUNKS from the most chunks this width can have (one block each), not from this
+        # batch's count: one compiled variant per vocabulary, none while serving.
+        most = triton.next_power_of_2(triton.cdiv(n, _BLOCK))
+        _race_reduce_kernel[(rows,)](best, arg, out, n_chunks, CHUNKS=most, num_warps=1)
     return out
 
 

@@ -204,3 +204,14 @@ def test_missing_model_path() -> None:
 def test_unknown_option() -> None:
     with pytest.raises(ValueError, match="no_such_flag"):
         LLM(None, no_such_flag=1)
+
+
+def test_sampler_warm_up_runs_every_kind_and_leaves_the_engine_clean(llm: LLM) -> None:
+    # On CUDA the engine runs this at startup so no sampler kernel compiles mid-run; here
+    # it checks the warm-up's own logic (batches it builds, LM-head width) with the eager
+    # sampler, and that it disturbs nothing.
+    before = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
+    llm.engine._warm_up_sampler()
+    after = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
+    assert before[0]["token_ids"] == after[0]["token_ids"]
+    assert_engine_clean(llm)
