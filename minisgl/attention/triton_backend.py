@@ -24,8 +24,16 @@ class TritonMetadata:
     extend_lens: torch.Tensor  # [B] int32
     seq_lens: torch.Tensor  # [B] int32 prefix + extend
     extend_starts: torch.Tensor  # [B] int32 first flat token of each row
-    num_splits: torch.Tensor  # [B] int32 KV chunks per row (decode only, else empty)
+    num_splits: torch.Tensor  # [B] int32 KV chunks per decode row (see dec_rows)
     max_splits: int  # decode grid's split axis; fixed per backend for CUDA-graph replay
+    # Mixed batches: their one-token rows run the decode kernel (a KV tile read once per KV
+    # head, no 128-query tile for one query); dec_rows of them (padding included), each with
+    # a page-table row, a length, a token index and num_splits. 0 = none; decode batches
+    # use row_ids/seq_lens/num_splits directly.
+    dec_rows: int
+    dec_row_ids: torch.Tensor
+    dec_seq_lens: torch.Tensor
+    dec_tokens: torch.Tensor
     block_batch: torch.Tensor  # [NB] int32 row of each extend query tile (extend only)
     block_qstart: torch.Tensor  # [NB] int32 first new token of each tile within its row
     block_m: int
@@ -193,15 +201,40 @@ class TritonBackend(AttentionBackend):
                 seq, self.pool.num_kv_heads, self._sm_count(device), max_splits,
                 self.min_split_tokens, self._decode_tiles(max_splits)[0],
             )  # fmt: skip
-        else:
+        dec_ids: list[int] = []
+        dec_seq: list[int] = []
+        dec_tok: list[int] = []
+        if not is_decode:
             block_m = self.extend_block_m or block_m
             block_n = self.extend_block_n or block_n
             if pad is not None:
                 block_m = pad.block_m
             for i, e in enumerate(ext):
+                if e == 1:
+                    # A one-token row (a decode riding in a mixed batch): the decode kernel.
+                    dec_ids.append(layout.req_rows[i])
+                    dec_seq.append(seq[i])
+                    dec_tok.append(starts[i])
+                    continue
                 for q0 in range(0, e, block_m):
                     block_batch.append(i)
                     block_qstart.append(q0)
+            if pad is not None:
+                # Padding rows have 0 splits: every program of theirs returns at once.
+                n_pad = pad.rows - len(dec_ids)
+                dec_ids, dec_tok = dec_ids + [0] * n_pad, dec_tok + [0] * n_pad
+                dec_seq = dec_seq + [0] * n_pad
+            if dec_ids:
+                max_splits = decode_split_cap(
+                    len(dec_ids), self.pool.num_kv_heads, self._sm_count(device),
+                    self.max_kv_splits,
+                )  # fmt: skip
+                splits = plan_decode_splits(
+                    dec_seq, self.pool.num_kv_heads, self._sm_count(device), max_splits,
+                    self.min_split_tokens, self._decode_tiles(max_splits)[0],
+                )  # fmt: skip
+                if pad is not None:
+                    splits[len(splits) - n_pad :] = [0] * n_pad
         rows = layout.req_rows
         if pad is not None:
             # Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the
@@ -217,6 +250,7 @@ class TritonBackend(AttentionBackend):
         # One host-to-device copy for every index the kernels need, each field 16-byte
         # aligned (Triton specialises kernels on pointer alignment).
         fields = [rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
+        fields += [dec_ids, dec_seq, dec_tok]
         stager = self.stager if self.stager is not None else DeviceStager(device)
         # Views of one buffer: copy_metadata refreshes a captured graph's with one copy.
         flat, parts = stager.stage_flat(fields, torch.int32)
@@ -237,6 +271,10 @@ class TritonBackend(AttentionBackend):
             block_n=block_n,
             num_warps=warps,
             packed=flat,
+            dec_rows=len(dec_ids),
+            dec_row_ids=parts[8],
+            dec_seq_lens=parts[9],
+            dec_tokens=parts[10],
         )
 
     def copy_metadata(self, dst: object, src: object) -> None:
@@ -244,6 +282,7 @@ class TritonBackend(AttentionBackend):
         assert isinstance(dst, TritonMetadata) and isinstance(src, TritonMetadata)
         assert dst.is_decode == src.is_decode and dst.batch == src.batch
         assert dst.packed.shape == src.packed.shape and dst.block_m == src.block_m
+        assert dst.dec_rows == src.dec_rows and dst.max_splits == src.max_splits
         assert dst.page_table is src.page_table, "graphs read the engine's one page table"
         dst.packed.copy_(src.packed, non_blocking=True)
 
@@ -272,8 +311,16 @@ class TritonBackend(AttentionBackend):
                 q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
                 md.max_splits, scale, block_n=block_n, num_warps=warps, num_stages=stages,
             )  # fmt: skip
-        return extend_attention(
+        out = extend_attention(
             q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,
             md.extend_starts, md.block_batch, md.block_qstart, scale, md.block_m, md.block_n,
             md.num_warps,
         )  # fmt: skip
+        if md.dec_rows:
+            block_n, warps, stages = self._decode_tiles(md.max_splits)
+            decode_attention(
+                q, k_cache, v_cache, md.page_table, md.dec_row_ids, md.dec_seq_lens,
+                md.num_splits, md.max_splits, scale, block_n=block_n, num_warps=warps,
+                num_stages=stages, q_index=md.dec_tokens, out=out.view(q.shape[0], -1, q.shape[2]),
+            )  # fmt: skip
+        return out

@@ -54,11 +54,12 @@ def _softmax_step(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, row_ids_ptr, seq_lens_ptr, num_splits_ptr,
-    mid_o_ptr, mid_lse_ptr, qk_scale,
+    q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
     # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
@@ -67,7 +68,9 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     n_splits = tl.load(num_splits_ptr + b)
     if split >= n_splits:
-        return
+        return  # also every program of a padding row (0 splits)
+    # GATHER: the one-token rows of a mixed batch; row b's token sits at q_index[b].
+    tok = tl.load(q_index_ptr + b).to(tl.int64) if GATHER else b.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b)
     # Must match plan_decode_splits: chunks are BLOCK_N-aligned so only the last tile masks.
     chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
@@ -82,7 +85,7 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
-    q_off = b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q_off = tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)  # K/V tiles follow q's dtype
@@ -106,7 +109,9 @@ def _decode_split_kernel(
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-    mo = b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
+    # DIRECT (no split): the result is final and goes straight to the output token's row.
+    mo_row = tok if DIRECT else b.to(tl.int64)
+    mo = mo_row * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
     tl.store(mid_o_ptr + mo, acc / l_safe[:, None], mask=h_mask[:, None] & d_mask[None, :])
     ml = b * stride_ml_b + heads * stride_ml_h + split
     tl.store(mid_lse_ptr + ml, lse, mask=h_mask)
@@ -114,13 +119,16 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, num_splits_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, num_splits_ptr, q_index_ptr, out_ptr,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_splits = tl.load(num_splits_ptr + b)
+    if n_splits == 0:
+        return  # a padding row
+    tok = tl.load(q_index_ptr + b).to(tl.int64) if GATHER else b.to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < n_splits
@@ -134,7 +142,7 @@ def _decode_reduce_kernel(
     o = tl.load(mid_o_ptr + mo, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    dst = out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d
+    dst = out_ptr + tok * stride_ot + h * stride_oh + offs_d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -234,16 +242,27 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    q_index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row: q [B, Hq, D] -> out [B, Hq * D]. The grid (B, Hk, max_splits)
     depends only on B, so a CUDA graph replays with new lengths; ``num_splits`` [B] (device,
-    from ``plan_decode_splits`` with this ``block_n``) says how many chunks a row uses."""
+    from ``plan_decode_splits`` with this ``block_n``) says how many chunks a row uses; a
+    row with 0 splits is padding and writes nothing.
+
+    With ``q_index`` [B] the rows are the one-token rows of a mixed batch: row b's query is
+    token ``q_index[b]`` of q [T, Hq, D], and its result goes to that token's row of ``out``
+    [T, Hq, D] (shared with the extend kernel, which writes the other tokens)."""
     q = _unit_last_stride(q)
-    bsz, hq, d = q.shape
+    num_tokens, hq, d = q.shape
+    bsz = num_tokens if q_index is None else q_index.shape[0]
     hk = k_cache.shape[1]
     group = hq // hk
     block_d = _head_block(d)
-    out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
+    gather = q_index is not None
+    q_index_arg = q_index if q_index is not None else num_splits
     if max_splits == 1:
         # No row is split (a big batch fills the GPU): each program's result is final, so
         # it is written straight into the output and the reduction kernel is skipped.
@@ -254,24 +273,24 @@ def decode_attention(
         mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
         mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hk, max_splits)](
-        q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, mid_o, mid_lse,
-        sm_scale * _LOG2E,
+        q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, q_index_arg, mid_o,
+        mid_lse, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, **_dot_mode(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_D=block_d, BLOCK_N=block_n, **_dot_mode(q.dtype), GATHER=gather,
+        DIRECT=max_splits == 1, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if max_splits == 1:
-        return out.view(bsz, hq * d)
+        return out.view(num_tokens, hq * d)
     _decode_reduce_kernel[(bsz, hq)](
-        mid_o, mid_lse, num_splits, out,
+        mid_o, mid_lse, num_splits, q_index_arg, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)), BLOCK_D=block_d,
-        num_warps=2 if block_d <= 64 else 4,
+        GATHER=gather, num_warps=2 if block_d <= 64 else 4,
     )  # fmt: skip
-    return out.view(bsz, hq * d)
+    return out.view(num_tokens, hq * d)
 
 
 def extend_attention(
@@ -289,6 +308,7 @@ def extend_attention(
     block_m: int,
     block_n: int,
     num_warps: int = 4,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over prefix + themselves: q [T, Hq, D] -> [T, Hq * D].
     ``block_batch``/``block_qstart`` [NB] give each BLOCK_M query tile's row and first new
@@ -296,7 +316,8 @@ def extend_attention(
     q = _unit_last_stride(q)
     num_tokens, hq, d = q.shape
     hk = k_cache.shape[1]
-    out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
     num_blocks = block_batch.shape[0]
     if num_blocks == 0:
         return out.view(num_tokens, hq * d)

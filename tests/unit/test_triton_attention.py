@@ -211,6 +211,18 @@ def test_decode_matches_reference_with_splits(prefix, hq, hk, d, ps) -> None:
 
 
 @interpreted
+def test_mixed_batch_one_token_rows_take_the_split_decode_kernel() -> None:
+    # A prefill chunk beside decodes with long prefixes: the one-token rows go through the
+    # decode kernel (gathered query tokens, split KV + reduction), the chunk through extend.
+    prefix, ext = [0, 37, 100, 3, 150], [20, 1, 1, 1, 1]
+    backend = run_case(prefix, ext, 4, 2, 64, 16, backend_kw={**SMALL_TILES, **SMALL_SPLITS})
+    world = make_world(prefix, ext, 2, 32, 1, torch.float32, 0)
+    md = backend.prepare(world.layout, DEVICE)
+    assert md.dec_rows == 4 and md.dec_tokens.tolist() == [20, 21, 22, 23]
+    assert max(md.num_splits.tolist()) > 1 and md.block_batch.tolist() == [0, 0]
+
+
+@interpreted
 def test_decode_default_plan() -> None:
     backend = run_case([600, 5], [1, 1], 4, 2, 64, 16)
     # 8 SMs on CPU: cap 8 splits, 32-token tiles; the 601-token row takes 7 chunks of 96.
