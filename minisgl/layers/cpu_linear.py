@@ -43,6 +43,11 @@ def linear(
 ) -> torch.Tensor:
     """F.linear; ``packed`` is ``weight`` reordered by `pack` (None: not packed)."""
     rows = x.shape[0] if x.dim() == 2 else 0
+    if x.device.type == "cuda" and 0 < rows <= 4 and x.dtype != torch.float32:
+        from minisgl.kernels import gemv
+
+        if gemv.ENABLED:  # opt-in skinny GEMM (see kernels/gemv.py)
+            return gemv.gemv(x, weight, bias)
     if x.device.type != "cpu" or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
     if rows <= 2:
