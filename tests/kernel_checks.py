@@ -10,6 +10,7 @@ same checks run in-process under the ``gpu`` marker.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -83,3 +84,21 @@ def main(checks: dict[str, Check]) -> None:
     """The child's entry point: run every check on the CPU, print the verdicts."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     print(json.dumps(run_checks(checks, torch.device("cpu"))))
+
+
+def make_tests(script: str, checks: dict[str, Check]) -> tuple[Callable[..., None], ...]:
+    """A kernel-check module's two pytest tests: every check under the interpreter (in one
+    child) and, with CUDA, natively. Bind them at module level as test_* names."""
+
+    @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
+    @pytest.mark.parametrize("name", sorted(checks))
+    def test_interpreted(name: str) -> None:
+        interpreted(script, name)
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    @pytest.mark.parametrize("name", sorted(checks))
+    def test_on_gpu(name: str) -> None:
+        on_gpu(checks, name)
+
+    return test_interpreted, test_on_gpu

@@ -19,24 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.offline.bench import workload  # noqa: E402
-from minisgl.kernels import cdiv  # noqa: E402
-
-
-def balanced_plan(
-    lens: list[int], hk: int, sms: int, waves: int, min_chunk: int, block_n: int
-) -> tuple[list[int], int]:
-    """(splits per row, grid split axis): chunks of about equal size so that ~waves x SMs
-    programs cover every row's KV; the grid axis depends on the batch size only (graphs)."""
-    cap = max(1, min(16, cdiv(waves * sms, len(lens) * hk)))
-    if cap == 1:
-        return [1] * len(lens), 1
-    chunk = max(min_chunk, cdiv(sum(lens) * hk, waves * sms))
-    plan = []
-    for n in lens:
-        s = max(1, min(cap, cdiv(n, chunk)))
-        c = cdiv(cdiv(n, s), block_n) * block_n
-        plan.append(max(1, cdiv(n, c)))
-    return plan, cap
 
 
 def main() -> None:
@@ -81,7 +63,8 @@ def main() -> None:
         for waves in (1, 2, 4, 8, 16):
             for min_chunk in (128, 256):
                 for n, w, st in tiles:
-                    plan, cap = balanced_plan(lens, hk, sms, waves, min_chunk, n)
+                    cap = decode_split_cap(bsz, hk, sms, 16, waves)
+                    plan = plan_decode_splits(lens, hk, sms, 16, min_chunk, n, waves)
                     name = f"w{waves}/m{min_chunk}/n{n}w{w}s{st}"
                     cases.append((name, plan, cap, {"num_warps": w, "num_stages": st}, n))
         res = []

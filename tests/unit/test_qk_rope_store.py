@@ -8,12 +8,10 @@ truncating bfloat16 casts apply to both alike: every comparison is torch.equal.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import torch
 
 if __name__ == "__main__":  # the interpreter child: make `tests` importable
@@ -253,17 +251,7 @@ def check_layer_uses_fused_path(device: torch.device) -> None:
 CHECKS = kernel_checks.collect(globals())
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_interpreted(name: str) -> None:
-    kernel_checks.interpreted(__file__, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_on_gpu(name: str) -> None:
-    kernel_checks.on_gpu(CHECKS, name)
+test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
 
 
 if __name__ == "__main__":
