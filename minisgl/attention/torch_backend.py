@@ -1,5 +1,10 @@
 """Reference attention on plain torch (CPU and CUDA): gather KV through the page table,
-pad the batch, and run scaled_dot_product_attention with a causal-with-prefix mask."""
+pad the batch, and run scaled_dot_product_attention with a causal-with-prefix mask.
+
+A mixed batch is padded in two groups, its one-token rows (decodes) and its longer rows:
+padded together, every decode row would be padded to the longest prompt chunk (11 rows
+beside a 300-token chunk cost 11 prefills; on the CPU that made mixed batches 1.8x slower
+under load, benchmark/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -12,46 +17,66 @@ from minisgl.attention.base import AttentionBackend, BatchLayout
 
 
 @dataclass
-class TorchMetadata:
+class PaddedGroup:
     kv_index: torch.Tensor  # [B, max_kv] slot indices (padding points at slot 0, masked)
     q_pad_index: torch.Tensor  # [B * max_q] position in the flat token array, or T for padding
-    q_unpad_index: torch.Tensor  # [T] position of each real token in the padded [B * max_q]
+    q_unpad_index: torch.Tensor  # [n] position of each real query in the padded [B * max_q]
+    tokens: torch.Tensor | None  # [n] flat token of each real query; None = all, in order
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
     batch: int
     max_q: int
 
 
+@dataclass
+class TorchMetadata:
+    groups: list[PaddedGroup]
+    num_tokens: int
+
+
+def _pad_group(
+    layout: BatchLayout, rows: list[int], starts: list[int], total: int, device: torch.device
+) -> PaddedGroup:
+    """Padded attention inputs for batch rows ``rows`` (indices into the layout)."""
+    exts = [layout.extend_lens[i] for i in rows]
+    prefixes = [layout.prefix_lens[i] for i in rows]
+    bsz, max_q = len(rows), max(exts)
+    max_kv = max(p + e for p, e in zip(prefixes, exts))
+    table_rows = torch.tensor([layout.req_rows[i] for i in rows], device=device)
+    kv_index = layout.page_table[table_rows, :max_kv].long()
+    kv_pos = torch.arange(max_kv, device=device)
+    q_off = torch.arange(max_q, device=device)
+    prefix = torch.tensor(prefixes, device=device)
+    ext = torch.tensor(exts, device=device)
+    seq = prefix + ext
+    # Query i of row b sits at absolute position prefix[b] + i and sees keys <= that.
+    q_abs = prefix[:, None] + q_off[None, :]
+    mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (
+        kv_pos[None, None, :] < seq[:, None, None]
+    )
+    valid_q = q_off[None, :] < ext[:, None]  # [B, max_q]
+    mask &= valid_q[:, :, None]
+    # Padded query rows must still see one key, or softmax yields NaN.
+    mask[..., 0] |= ~valid_q
+    kv_index = torch.where(kv_pos[None, :] < seq[:, None], kv_index, 0)
+    flat = torch.tensor([starts[i] for i in rows], device=device)[:, None] + q_off[None, :]
+    q_pad_index = torch.where(valid_q, flat, total).reshape(-1)
+    q_unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + q_off[None, :])[valid_q]
+    in_order = rows == list(range(len(layout.req_rows)))
+    tokens = None if in_order else flat[valid_q]
+    return PaddedGroup(kv_index, q_pad_index, q_unpad_index, tokens, mask.unsqueeze(1), bsz, max_q)
+
+
 class TorchBackend(AttentionBackend):
     def prepare(self, layout: BatchLayout, device: torch.device) -> TorchMetadata:
-        bsz = len(layout.req_rows)
-        max_q = max(layout.extend_lens)
-        seq_lens = layout.seq_lens
-        max_kv = max(seq_lens)
-        rows = torch.tensor(layout.req_rows, device=device)
-        kv_index = layout.page_table[rows, :max_kv].long()
-        kv_pos = torch.arange(max_kv, device=device)
-        q_off = torch.arange(max_q, device=device)
-        prefix = torch.tensor(layout.prefix_lens, device=device)
-        ext = torch.tensor(layout.extend_lens, device=device)
-        seq = prefix + ext
-        # Query i of row b sits at absolute position prefix[b] + i and sees keys <= that.
-        q_abs = prefix[:, None] + q_off[None, :]
-        mask = (kv_pos[None, None, :] <= q_abs[:, :, None]) & (
-            kv_pos[None, None, :] < seq[:, None, None]
-        )
-        valid_q = q_off[None, :] < ext[:, None]  # [B, max_q]
-        mask &= valid_q[:, :, None]
-        # Padded query rows must still see one key, or softmax yields NaN.
-        mask[..., 0] |= ~valid_q
-        kv_index = torch.where(kv_pos[None, :] < seq[:, None], kv_index, 0)
-        starts = torch.cumsum(ext, 0) - ext
-        flat = starts[:, None] + q_off[None, :]
-        total = int(sum(layout.extend_lens))
-        q_pad_index = torch.where(valid_q, flat, total).reshape(-1)
-        q_unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + q_off[None, :])[
-            valid_q
-        ]
-        return TorchMetadata(kv_index, q_pad_index, q_unpad_index, mask.unsqueeze(1), bsz, max_q)
+        ext = layout.extend_lens
+        starts, acc = [], 0
+        for e in ext:
+            starts.append(acc)
+            acc += e
+        one = [i for i, e in enumerate(ext) if e == 1]
+        longer = [i for i, e in enumerate(ext) if e != 1]
+        parts = [one, longer] if one and longer else [list(range(len(ext)))]
+        return TorchMetadata([_pad_group(layout, r, starts, acc, device) for r in parts], acc)
 
     def forward(
         self,
@@ -67,15 +92,27 @@ class TorchBackend(AttentionBackend):
         assert isinstance(md, TorchMetadata)
         self.pool.store(layer_id, out_slots, k, v)
         num_tokens, hq, d = q.shape
-        k_all = self.pool.k(layer_id)[md.kv_index]  # [B, max_kv, Hk, D]
-        v_all = self.pool.v(layer_id)[md.kv_index]
-        hk = k_all.shape[2]
         q_ext = torch.cat([q, q.new_zeros(1, hq, d)], dim=0)
-        q_pad = q_ext[md.q_pad_index].view(md.batch, md.max_q, hq, d).transpose(1, 2)
-        k_all = k_all.transpose(1, 2).to(q.dtype)
-        v_all = v_all.transpose(1, 2).to(q.dtype)
+        outs = [self._attend(q_ext, layer_id, g, scale) for g in md.groups]
+        if len(outs) == 1 and md.groups[0].tokens is None:
+            return outs[0]
+        out = q.new_empty(num_tokens, hq * d)
+        for g, o in zip(md.groups, outs):
+            out[g.tokens] = o
+        return out
+
+    def _attend(
+        self, q_ext: torch.Tensor, layer_id: int, g: PaddedGroup, scale: float
+    ) -> torch.Tensor:
+        hq, d = q_ext.shape[1], q_ext.shape[2]
+        k_all = self.pool.k(layer_id)[g.kv_index]  # [B, max_kv, Hk, D]
+        v_all = self.pool.v(layer_id)[g.kv_index]
+        hk = k_all.shape[2]
+        q_pad = q_ext[g.q_pad_index].view(g.batch, g.max_q, hq, d).transpose(1, 2)
+        k_all = k_all.transpose(1, 2).to(q_ext.dtype)
+        v_all = v_all.transpose(1, 2).to(q_ext.dtype)
         out = F.scaled_dot_product_attention(
-            q_pad, k_all, v_all, attn_mask=md.mask, scale=scale, enable_gqa=hk != hq
+            q_pad, k_all, v_all, attn_mask=g.mask, scale=scale, enable_gqa=hk != hq
         )
-        out = out.transpose(1, 2).reshape(md.batch * md.max_q, hq * d)
-        return out[md.q_unpad_index]
+        out = out.transpose(1, 2).reshape(g.batch * g.max_q, hq * d)
+        return out[g.q_unpad_index]
