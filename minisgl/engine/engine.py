@@ -104,6 +104,9 @@ class Engine:
         self.max_running_requests = config.max_running_requests or (
             1024 if self.device.type == "cuda" else 256
         )
+        self.chunked_prefill_size = config.chunked_prefill_size or (
+            8192 if self.device.type == "cuda" else 256
+        )
         torch.manual_seed(config.seed)
         with _default_dtype(self.dtype), torch.device(self.device):
             self.model = build_model(cfg, self.tp, max(self.context_length, cfg.max_position))

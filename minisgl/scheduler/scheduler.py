@@ -195,7 +195,11 @@ class Scheduler:
         rows: list[_Row] = []
         if mixed or not (partial or self.waiting):
             rows = self._schedule_decodes(decodes)
-        budget = self.config.chunked_prefill_size - len(rows)
+        # Decode rows count against the step's token budget (a step's length is its
+        # latency for every stream), but prefill always keeps a quarter of it: with as many
+        # decodes as the budget, a chunked prompt would otherwise wait for one to finish.
+        chunk = self.engine.chunked_prefill_size
+        budget = max(chunk - len(rows), chunk // 4)
         if mixed or not rows:
             rows += self._schedule_prefill(partial, budget)
         if not rows and decodes and not mixed:

@@ -111,3 +111,27 @@ def test_cached_tokens_reported(tiny_models: dict[str, Path]) -> None:
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] == 48  # 50 prompt tokens, page-aligned down
     assert llm.scheduler.kv.cache.stats.hit_rate > 0
+
+
+def test_prefill_keeps_a_share_of_the_budget_beside_many_decodes(
+    tiny_models: dict[str, Path],
+) -> None:
+    """With as many decoding rows as the step's token budget, a new prompt still gets a
+    chunk in the next step (a quarter of the budget) instead of waiting for a decode to
+    finish."""
+    llm = LLM(str(tiny_models["llama"]), chunked_prefill_size=16, max_running_requests=32)
+    sched = llm.scheduler
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i in range(20):
+        sched.add_request([5 + i, 6, 7], long)
+    while sched.waiting or any(r.num_generated < 2 for r in sched.running):
+        sched.step()
+    assert len(sched.running) == 20
+    late = sched.add_request(list(range(10, 50)), long)
+    sched.step()
+    sched.step()  # with overlap the first step may only launch
+    assert late.kv_len >= 4, late.kv_len  # 16 // 4 tokens per step at least
+    for r in list(sched.running) + list(sched.waiting):
+        sched.abort(r.uid)
+    sched.drain()
+    assert_engine_clean(llm)
