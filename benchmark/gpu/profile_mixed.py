@@ -2,7 +2,9 @@
 break a mixed step's host time down by function.
 
 Online at 16 req/s (benchmark/RESULTS.md) about 4% of ITLs are 20-40 ms: roughly one per
-arriving request, i.e. the eager steps that carry a new prompt next to the running decodes.
+arriving request, i.e. the eager steps that carry a new prompt next to the running decodes
+(since 20be0a2 such steps replay prefill/mixed CUDA graphs; --cuda-graph-max-tokens 0 to
+see the eager cost).
 
     python benchmark/gpu/profile_mixed.py [--model benchmark/configs/Qwen3-0.6B]
 """
@@ -42,8 +44,15 @@ def main() -> None:
     ap.add_argument("--model", default="benchmark/configs/Qwen3-0.6B")
     ap.add_argument("--decodes", type=int, default=18)
     ap.add_argument("--prompt-len", type=int, default=560)
+    ap.add_argument("--cuda-graph-max-tokens", type=int, default=None, help="0: mixed steps eager")
     args = ap.parse_args()
-    llm = LLM(args.model, load_format="dummy", context_length=4096, disable_overlap_scheduling=True)
+    llm = LLM(
+        args.model,
+        load_format="dummy",
+        context_length=4096,
+        disable_overlap_scheduling=True,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+    )
     sched, rng = llm.scheduler, random.Random(0)
     vocab = min(10_000, llm.engine.model_config.vocab_size)
     long = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
@@ -63,7 +72,7 @@ def main() -> None:
             sched.step()
     prof.disable()
     print(f"decode step ({args.decodes} rows, graph): median {decode[10]:.2f} ms")
-    print(f"mixed step (+{args.prompt_len}-token prompt, eager): {[round(m, 2) for m in mixed]} ms")
+    print(f"mixed step (+{args.prompt_len}-token prompt): {[round(m, 2) for m in mixed]} ms")
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
