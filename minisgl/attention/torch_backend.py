@@ -3,7 +3,7 @@ pad the batch, and run scaled_dot_product_attention with a causal-with-prefix ma
 
 A mixed batch is padded in two groups, its one-token rows (decodes) and its longer rows:
 padded together, every decode row would be padded to the longest prompt chunk (11 rows
-beside a 300-token chunk cost 11 prefills; on the CPU that made mixed batches 1.8x slower
+beside a 300-token chunk cost 11 prefills; on the CPU that made mixed batches 1.3x slower
 under load, benchmark/RESULTS.md)."""
 
 from __future__ import annotations

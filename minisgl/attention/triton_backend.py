@@ -175,6 +175,17 @@ class TritonBackend(AttentionBackend):
         # Each row's last tile may be partial: at most one tile per row beyond T / BLOCK_M.
         return ExtendGraphShape(rows, cdiv(tokens, block_m) + rows, block_m)
 
+    def _plan_decodes(self, seq_lens: list[int], device: torch.device) -> tuple[int, list[int]]:
+        """(grid split axis, splits per row) of one-token rows. The axis depends on the row
+        count only (so CUDA graphs, captured per size, stay valid); rows that fill the GPU
+        get 1 and skip the reduction."""
+        hk, sms = self.pool.num_kv_heads, self._sm_count(device)
+        max_splits = decode_split_cap(len(seq_lens), hk, sms, self.max_kv_splits)
+        block_n = self._decode_tiles(max_splits)[0]
+        return max_splits, plan_decode_splits(
+            seq_lens, hk, sms, max_splits, self.min_split_tokens, block_n
+        )
+
     def _prepare(
         self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
     ) -> TritonMetadata:
@@ -192,15 +203,7 @@ class TritonBackend(AttentionBackend):
         block_m, block_n, warps = extend_tiles(self.pool.head_dim, max(ext))
         max_splits = self.max_kv_splits
         if is_decode:
-            # The split axis depends on the batch size only (so CUDA graphs, captured per
-            # size, stay valid); a batch that fills the GPU gets 1 and skips the reduction.
-            max_splits = decode_split_cap(
-                bsz, self.pool.num_kv_heads, self._sm_count(device), self.max_kv_splits
-            )
-            splits = plan_decode_splits(
-                seq, self.pool.num_kv_heads, self._sm_count(device), max_splits,
-                self.min_split_tokens, self._decode_tiles(max_splits)[0],
-            )  # fmt: skip
+            max_splits, splits = self._plan_decodes(seq, device)
         dec_ids: list[int] = []
         dec_seq: list[int] = []
         dec_tok: list[int] = []
@@ -225,14 +228,7 @@ class TritonBackend(AttentionBackend):
                 dec_ids, dec_tok = dec_ids + [0] * n_pad, dec_tok + [0] * n_pad
                 dec_seq = dec_seq + [0] * n_pad
             if dec_ids:
-                max_splits = decode_split_cap(
-                    len(dec_ids), self.pool.num_kv_heads, self._sm_count(device),
-                    self.max_kv_splits,
-                )  # fmt: skip
-                splits = plan_decode_splits(
-                    dec_seq, self.pool.num_kv_heads, self._sm_count(device), max_splits,
-                    self.min_split_tokens, self._decode_tiles(max_splits)[0],
-                )  # fmt: skip
+                max_splits, splits = self._plan_decodes(dec_seq, device)
                 if pad is not None:
                     splits[len(splits) - n_pad :] = [0] * n_pad
         rows = layout.req_rows
@@ -305,22 +301,21 @@ class TritonBackend(AttentionBackend):
         md = metadata
         assert isinstance(md, TritonMetadata)
         k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
+        block_n, warps, stages = self._decode_tiles(md.max_splits)
         if md.is_decode:
-            block_n, warps, stages = self._decode_tiles(md.max_splits)
             return decode_attention(
                 q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
-                md.max_splits, scale, block_n=block_n, num_warps=warps, num_stages=stages,
+                md.max_splits, scale, block_n, warps, stages,
             )  # fmt: skip
         out = extend_attention(
             q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,
             md.extend_starts, md.block_batch, md.block_qstart, scale, md.block_m, md.block_n,
             md.num_warps,
         )  # fmt: skip
-        if md.dec_rows:
-            block_n, warps, stages = self._decode_tiles(md.max_splits)
+        if md.dec_rows:  # the one-token rows of a mixed batch, into the same output
             decode_attention(
                 q, k_cache, v_cache, md.page_table, md.dec_row_ids, md.dec_seq_lens,
-                md.num_splits, md.max_splits, scale, block_n=block_n, num_warps=warps,
-                num_stages=stages, q_index=md.dec_tokens, out=out.view(q.shape[0], -1, q.shape[2]),
+                md.num_splits, md.max_splits, scale, block_n, warps, stages,
+                q_index=md.dec_tokens, out=out.view(q.shape),
             )  # fmt: skip
         return out

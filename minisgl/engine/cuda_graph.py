@@ -83,15 +83,29 @@ class CudaGraphRunner:
             page_table=self.engine.page_table,
         )
 
-    def _batch(self, bs: int, metadata: object) -> ForwardBatch:
+    def _batch(self, tokens: int, metadata: object, logits_index: torch.Tensor) -> ForwardBatch:
+        """The captured batch: the first ``tokens`` of the static input buffers."""
         return ForwardBatch(
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            out_slots=self.out_slots[:bs],
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:tokens],
+            out_slots=self.out_slots[:tokens],
             attn_backend=self.engine.attn_backend,
             attn_metadata=metadata,
-            logits_index=self.logits_index[:bs],
+            logits_index=logits_index,
         )
+
+    def _load_inputs(
+        self, n: int, size: int, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Copy a batch's ``n`` tokens into the static buffers of a ``size``-token graph;
+        padding tokens belong to no row: they write the scratch slot and are not scored."""
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(pos, non_blocking=True)
+        self.out_slots[:n].copy_(slots, non_blocking=True)
+        if n < size:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+            self.out_slots[n:size].fill_(self.scratch_slot)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -103,7 +117,7 @@ class CudaGraphRunner:
                 self._capture_extend(tokens, stream)
             for bs in reversed(self.sizes):
                 md = self.engine.attn_backend.prepare(self._dummy_layout(bs), self.engine.device)
-                batch = self._batch(bs, md)
+                batch = self._batch(bs, md, self.logits_index[:bs])
                 model(batch)  # warm-up (Triton autotune/compile happens outside capture)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
@@ -121,24 +135,13 @@ class CudaGraphRunner:
     def _ext_shape(self, tokens: int) -> Any:
         return self.engine.attn_backend.extend_graph_shape(tokens, self.ext_rows[tokens])  # type: ignore[attr-defined]
 
-    def _ext_batch(self, tokens: int, metadata: object) -> ForwardBatch:
-        rows = self.ext_rows[tokens]
-        return ForwardBatch(
-            input_ids=self.input_ids[:tokens],
-            positions=self.positions[:tokens],
-            out_slots=self.out_slots[:tokens],
-            attn_backend=self.engine.attn_backend,
-            attn_metadata=metadata,
-            logits_index=self.ext_logits_index[:rows],
-        )
-
     def _capture_extend(self, tokens: int, stream: torch.cuda.Stream) -> None:
         # Captured on one row of ``tokens`` new tokens in the scratch row: the padded shape,
         # not the layout, fixes every launch.
         layout = BatchLayout([self.dummy_row], [0], [tokens], self.engine.page_table)
         backend: Any = self.engine.attn_backend
         md = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(tokens))
-        batch = self._ext_batch(tokens, md)
+        batch = self._batch(tokens, md, self.ext_logits_index[: self.ext_rows[tokens]])
         body: Any = self.engine.model.model  # the decoder stack, without the LM head
         body(batch)  # warm-up: compiles happen outside capture
         graph = torch.cuda.CUDAGraph()
@@ -173,14 +176,7 @@ class CudaGraphRunner:
         backend: Any = self.engine.attn_backend
         fresh = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(size))
         backend.copy_metadata(self.ext_metadata[size], fresh)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.out_slots[:n].copy_(out_slots, non_blocking=True)
-        if n < size:
-            # Padding tokens belong to no row: they write the scratch slot and are not scored.
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.out_slots[n:size].fill_(self.scratch_slot)
+        self._load_inputs(n, size, input_ids, positions, out_slots)
         r = logits_index.shape[0]
         self.ext_logits_index[:r].copy_(logits_index, non_blocking=True)
         # Stale indices from a bigger graph's replay could point past this graph's tokens.
@@ -211,13 +207,7 @@ class CudaGraphRunner:
         )
         fresh = self.engine.attn_backend.prepare(padded, self.engine.device)
         self.engine.attn_backend.copy_metadata(self.metadata[bs], fresh)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.out_slots[:n].copy_(out_slots, non_blocking=True)
-        if pad:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_slots[n:bs].fill_(self.scratch_slot)
+        self._load_inputs(n, bs, input_ids, positions, out_slots)
         self.graphs[bs].replay()
         self.replays["decode"] += 1
         return self.outputs[bs][:n]

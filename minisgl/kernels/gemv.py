@@ -6,13 +6,11 @@ H200 (the qkv, o and down projections: 33-100 MB; benchmark/RESULTS.md), and add
 reduction kernel for some. Here each program owns BLOCK_N output columns for every row and
 streams their weight rows once, accumulating x * w elementwise in float32 registers over the
 whole of K and reducing across K only at the end (no reduction inside the loop, no second
-kernel). Opt-in (MINISGL_TRITON_GEMV=1) until the H200 sweep (benchmark/gpu/bench_gemv.py)
-shows where it wins.
+kernel). Opt-in (MINISGL_TRITON_GEMV=1, read by layers/cpu_linear.py) until the H200 sweep
+(benchmark/gpu/bench_gemv.py) shows where it wins.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -21,7 +19,6 @@ import triton.language as tl
 from minisgl.kernels import cdiv
 
 MAX_ROWS = 4
-ENABLED = os.environ.get("MINISGL_TRITON_GEMV", "0").lower() in ("1", "true", "yes", "on")
 
 
 @triton.jit(do_not_specialize=["rows"])

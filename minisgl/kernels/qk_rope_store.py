@@ -19,6 +19,7 @@ import triton.language as tl
 
 from minisgl.kernels import cdiv
 from minisgl.kernels.norm import row_tile
+from minisgl.kernels.rope import load_cos_sin, rotate_halves
 
 
 @triton.jit
@@ -51,15 +52,11 @@ def _norm_rope_heads(
         # rms_norm's output, which RoPE then reads.
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    # rope.py's rounding: each product, then the sum, to the activation dtype.
-    a1 = (x1 * c1[None, :]).to(dtype).to(tl.float32)
-    b1 = (-x2 * s1[None, :]).to(dtype).to(tl.float32)
-    a2 = (x2 * c2[None, :]).to(dtype).to(tl.float32)
-    b2 = (x1 * s2[None, :]).to(dtype).to(tl.float32)
+    y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, dtype)  # rope.py's rounding
     out_ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + offs_h[:, None] * stride_dst_h + offs_d[None, :]
-    tl.store(dst, (a1 + b1).to(dtype).to(out_ty), mask=half_mask)
-    tl.store(dst + HALF, (a2 + b2).to(dtype).to(out_ty), mask=half_mask)
+    tl.store(dst, y1.to(out_ty), mask=half_mask)
+    tl.store(dst + HALF, y2.to(out_ty), mask=half_mask)
 
 
 @triton.jit
@@ -96,13 +93,9 @@ def _qk_norm_rope_store_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     dtype = q_ptr.dtype.element_ty
-    # cos/sin as apply_rope reads them: both halves, cast to the activation dtype.
-    cos_row = cos_ptr + pos * stride_cos + offs_d
-    sin_row = sin_ptr + pos * stride_sin + offs_d
-    c1 = tl.load(cos_row, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_row + HALF, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_row, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_row + HALF, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    c1, c2, s1, s2 = load_cos_sin(
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, offs_d, d_mask, HALF, dtype
+    )  # as apply_rope reads them
     if chunk < Q_CHUNKS:
         _norm_rope_heads(
             q_ptr + tok * stride_qt, stride_qh, q_out_ptr + tok * stride_qot, stride_qoh, qw_ptr,

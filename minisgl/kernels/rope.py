@@ -18,6 +18,33 @@ _TILE = 2048
 
 
 @triton.jit
+def load_cos_sin(
+    cos_ptr, sin_ptr, pos, stride_cos, stride_sin, offs_d, d_mask,
+    HALF: tl.constexpr, dtype: tl.constexpr,
+):  # fmt: skip
+    """Both halves of position ``pos``'s cos/sin rows (not assumed equal, so any table
+    layout gives the reference result), cast to the activation dtype as the reference does."""
+    cos_row = cos_ptr + pos * stride_cos + offs_d
+    sin_row = sin_ptr + pos * stride_sin + offs_d
+    c1 = tl.load(cos_row, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_row + HALF, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_row, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_row + HALF, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
+def rotate_halves(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
+    """Rotated halves [H, HALF] of rows whose halves are x1, x2 (float32): each product,
+    then the sum, rounded to the activation dtype, the reference's order."""
+    a1 = (x1 * c1[None, :]).to(dtype).to(tl.float32)
+    b1 = (-x2 * s1[None, :]).to(dtype).to(tl.float32)
+    a2 = (x2 * c2[None, :]).to(dtype).to(tl.float32)
+    b2 = (x1 * s2[None, :]).to(dtype).to(tl.float32)
+    return (a1 + b1).to(dtype), (a2 + b2).to(dtype)
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr, dst_ptr, stride_src_h, stride_dst_h, c1, c2, s1, s2, offs_d, d_mask,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -30,13 +57,9 @@ def _rotate_heads(
         dst = dst_ptr + offs_h[:, None] * stride_dst_h + offs_d[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        # Round each product, then the sum, to the activation dtype: the reference's order.
-        a1 = (x1 * c1[None, :]).to(dtype).to(tl.float32)
-        b1 = (-x2 * s1[None, :]).to(dtype).to(tl.float32)
-        a2 = (x2 * c2[None, :]).to(dtype).to(tl.float32)
-        b2 = (x1 * s2[None, :]).to(dtype).to(tl.float32)
-        tl.store(dst, (a1 + b1).to(dtype), mask=mask)
-        tl.store(dst + HALF, (a2 + b2).to(dtype), mask=mask)
+        y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, dtype)
+        tl.store(dst, y1, mask=mask)
+        tl.store(dst + HALF, y2, mask=mask)
 
 
 @triton.jit
@@ -53,13 +76,9 @@ def _rope_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
     dtype = q_ptr.dtype.element_ty
-    cos_row = cos_ptr + pos * stride_cos + offs_d
-    sin_row = sin_ptr + pos * stride_sin + offs_d
-    # Both halves are read (not assumed equal) so any table layout gives the reference result.
-    c1 = tl.load(cos_row, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_row + HALF, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_row, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_row + HALF, mask=d_mask, other=0.0).to(dtype).to(tl.float32)
+    c1, c2, s1, s2 = load_cos_sin(
+        cos_ptr, sin_ptr, pos, stride_cos, stride_sin, offs_d, d_mask, HALF, dtype
+    )
     _rotate_heads(
         q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, stride_qh, stride_qoh,
         c1, c2, s1, s2, offs_d, d_mask, HQ, HALF, BLOCK_HQ,

@@ -33,6 +33,8 @@ def _onednn_available() -> bool:
 
 _OFF = ("0", "false", "no", "off")
 ONEDNN = _onednn_available() and os.environ.get("MINISGL_CPU_ONEDNN", "1").lower() not in _OFF
+# Read here, so CPU-only installs never import triton and the hot path does no import.
+TRITON_GEMV = os.environ.get("MINISGL_TRITON_GEMV", "0").lower() in ("1", "true", "yes", "on")
 
 
 def linear(
@@ -43,11 +45,10 @@ def linear(
 ) -> torch.Tensor:
     """F.linear; ``packed`` is ``weight`` reordered by `pack` (None: not packed)."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type == "cuda" and 0 < rows <= 4 and x.dtype != torch.float32:
-        from minisgl.kernels import gemv
+    if TRITON_GEMV and x.device.type == "cuda" and 0 < rows <= 4 and x.dtype != torch.float32:
+        from minisgl.kernels.gemv import gemv  # opt-in skinny GEMM (see kernels/gemv.py)
 
-        if gemv.ENABLED:  # opt-in skinny GEMM (see kernels/gemv.py)
-            return gemv.gemv(x, weight, bias)
+        return gemv(x, weight, bias)
     if x.device.type != "cpu" or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
     if rows <= 2:

@@ -215,3 +215,19 @@ def test_sampler_warm_up_runs_every_kind_and_leaves_the_engine_clean(llm: LLM) -
     after = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6))
     assert before[0]["token_ids"] == after[0]["token_ids"]
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"cuda_graph_max_tokens": -1}, "cuda_graph_max_tokens"),
+        ({"chunked_prefill_size": 0}, "chunked_prefill_size"),
+    ],
+)
+def test_bad_engine_options_name_the_field(kwargs: dict, field: str) -> None:
+    from minisgl.config import EngineConfig
+
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+    # None (auto) and 0 (graphs off for prefill/mixed steps) are valid.
+    EngineConfig(cuda_graph_max_tokens=0, chunked_prefill_size=None)
