@@ -48,9 +48,11 @@ def main() -> None:
             configs = [gemv_tiles(rows)]
             if rows == 1:
                 configs += [
-                    (1, bn, bk, wp)
-                    for bn, bk, wp in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8))
-                    if bn * bk <= 32768
+                    (1, bn, bk, wp, st)
+                    for bn, bk, wp, st in itertools.product(
+                        (2, 4, 8, 16), (512, 1024, 2048), (4, 8), (2, 3, 4)
+                    )
+                    if bn * bk <= 16384
                 ]
             for cfg in dict.fromkeys(configs):
                 try:
@@ -60,6 +62,9 @@ def main() -> None:
                     continue
                 results.append((t, cfg))
             results.sort()
+            if rows == 1:  # the five best tiles and their times, for choosing defaults
+                top = ", ".join(f"{c[1:]} {t * 1e3:.1f}" for t, c in results[:5])
+                print(f"  {name} M=1 top: {top}", flush=True)
             default = next(t for t, c in results if c == gemv_tiles(rows))
             best_t, best_c = results[0]
             print(

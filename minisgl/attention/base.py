@@ -37,6 +37,18 @@ class BatchLayout:
         return all(e == 1 for e in self.extend_lens)
 
 
+def padded_batch_size(rows: int) -> int:
+    """The size a decode batch of ``rows`` is planned and CUDA-graph captured as: 1, 2, 4, 8,
+    then every 8 up to 64, every 16 beyond (little padding waste where it counts). Backends
+    plan a decode batch by this size, not by its row count, so that padding a batch to its
+    captured graph never changes a row's plan, and greedy tokens match with graphs off."""
+    if rows <= 8:
+        return 1 << max(0, rows - 1).bit_length()
+    if rows <= 64:
+        return -(-rows // 8) * 8
+    return 64 + -(-(rows - 64) // 16) * 16
+
+
 class AttentionBackend(ABC):
     # True: the attention layer writes this step's K/V into ``pool`` itself (fused with its
     # q/k norm and RoPE, see kernels/qk_rope_store.py) and calls ``attend`` instead of

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.attention.base import AttentionBackend, BatchLayout, padded_batch_size
 from minisgl.engine.staging import DeviceStager
 from minisgl.kernels import cdiv
 from minisgl.kernels.attention import decode_attention, extend_attention
@@ -63,6 +63,11 @@ def extend_tiles(head_dim: int, max_extend: int) -> tuple[int, int, int]:
 # batches (benchmark/gpu/sweep_ragged.py, benchmark/RESULTS.md): aim for about this many
 # waves of SM-sized program sets. Big batches (B * Hk >= waves * SMs) are not split at all.
 DECODE_WAVES = 4
+# The one-token rows of a mixed batch: a row's plan must not depend on the other rows,
+# since a mixed CUDA graph pads them to its row capacity (greedy tokens must not change
+# with graphs off). Up to this many chunks, of at least MIXED_SPLIT_TOKENS each.
+MIXED_DECODE_SPLITS = 4
+MIXED_SPLIT_TOKENS = 1024
 
 
 def plan_decode_splits(
@@ -73,26 +78,33 @@ def plan_decode_splits(
     min_split_tokens: int,
     block_n: int,
     waves: int = DECODE_WAVES,
+    batch: int | None = None,
 ) -> list[int]:
     """KV chunks per decode row: chunks of about equal size, so that B * Hk * splits
     programs fill about ``waves`` waves of SMs and no program runs much longer than the rest
-    (a long row gets more chunks than a short one).
+    (a long row gets more chunks than a short one). ``batch`` (default: the row count) is
+    the size the batch is planned as.
 
     A chunk shorter than ``min_split_tokens`` costs more in the reduction than it saves.
     The count is then shrunk so that every chunk, rounded up to ``block_n`` as the kernel
     does, is non-empty.
     """
-    cap = decode_split_cap(len(seq_lens), num_kv_heads, num_sms, max_splits, waves)
+    bsz = len(seq_lens) if batch is None else batch
+    cap = decode_split_cap(bsz, num_kv_heads, num_sms, max_splits, waves)
     if cap == 1:
         return [1] * len(seq_lens)  # a big batch fills the GPU without splitting
-    lens = [max(n, 1) for n in seq_lens]  # padding rows of a captured graph may be empty
-    chunk = max(min_split_tokens, cdiv(sum(lens) * num_kv_heads, waves * num_sms))
-    plan = []
-    for length in lens:
-        n = max(1, min(cap, cdiv(length, chunk)))
-        aligned = cdiv(cdiv(length, n), block_n) * block_n
-        plan.append(max(1, cdiv(length, aligned)))
-    return plan
+    # KV before each row's new token: a CUDA graph's padding rows (one token) add nothing.
+    total = sum(max(n - 1, 0) for n in seq_lens)
+    chunk = max(min_split_tokens, cdiv(total * num_kv_heads, waves * num_sms))
+    return [_aligned_splits(n, min(cap, cdiv(n, chunk)), block_n) for n in seq_lens]
+
+
+def _aligned_splits(length: int, want: int, block_n: int) -> int:
+    """``want`` chunks (at least 1), shrunk so that every chunk, rounded up to ``block_n``
+    as the kernel does, is non-empty."""
+    length = max(length, 1)  # padding rows of a captured graph may be empty
+    aligned = cdiv(cdiv(length, max(1, want)), block_n) * block_n
+    return max(1, cdiv(length, aligned))
 
 
 def decode_split_cap(
@@ -126,6 +138,7 @@ class TritonBackend(AttentionBackend):
         *,
         max_kv_splits: int = 16,
         min_split_tokens: int = 64,
+        mixed_split_tokens: int = MIXED_SPLIT_TOKENS,
         num_sms: int | None = None,
         decode_block_n: int | None = None,
         extend_block_m: int | None = None,
@@ -139,6 +152,7 @@ class TritonBackend(AttentionBackend):
         self.fused_kv_store = fused_kv_store
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
+        self.mixed_split_tokens = mixed_split_tokens
         self.num_sms = num_sms
         self.decode_block_n = decode_block_n
         # Overrides exist so tests can force many small tiles; None = per-head-dim defaults.
@@ -176,15 +190,26 @@ class TritonBackend(AttentionBackend):
         return ExtendGraphShape(rows, cdiv(tokens, block_m) + rows, block_m)
 
     def _plan_decodes(self, seq_lens: list[int], device: torch.device) -> tuple[int, list[int]]:
-        """(grid split axis, splits per row) of one-token rows. The axis depends on the row
-        count only (so CUDA graphs, captured per size, stay valid); rows that fill the GPU
-        get 1 and skip the reduction."""
+        """(grid split axis, splits per row) of a decode batch, planned as its padded size:
+        the same plan whether or not a CUDA graph pads it. Rows that fill the GPU get 1 and
+        skip the reduction."""
         hk, sms = self.pool.num_kv_heads, self._sm_count(device)
-        max_splits = decode_split_cap(len(seq_lens), hk, sms, self.max_kv_splits)
+        bsz = padded_batch_size(len(seq_lens))
+        max_splits = decode_split_cap(bsz, hk, sms, self.max_kv_splits)
         block_n = self._decode_tiles(max_splits)[0]
         return max_splits, plan_decode_splits(
-            seq_lens, hk, sms, max_splits, self.min_split_tokens, block_n
+            seq_lens, hk, sms, max_splits, self.min_split_tokens, block_n, batch=bsz
         )
+
+    def _plan_mixed_decodes(self, seq_lens: list[int]) -> tuple[int, list[int]]:
+        """(grid split axis, splits per row) of a mixed batch's one-token rows: each row's
+        plan from its own length (see MIXED_DECODE_SPLITS); padding rows get 0."""
+        max_splits = min(MIXED_DECODE_SPLITS, self.max_kv_splits)
+        block_n = self._decode_tiles(max_splits)[0]
+        want = [min(max_splits, cdiv(n, self.mixed_split_tokens)) for n in seq_lens]
+        return max_splits, [
+            _aligned_splits(n, w, block_n) if n else 0 for n, w in zip(seq_lens, want)
+        ]
 
     def _prepare(
         self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
@@ -228,9 +253,7 @@ class TritonBackend(AttentionBackend):
                 dec_ids, dec_tok = dec_ids + [0] * n_pad, dec_tok + [0] * n_pad
                 dec_seq = dec_seq + [0] * n_pad
             if dec_ids:
-                max_splits, splits = self._plan_decodes(dec_seq, device)
-                if pad is not None:
-                    splits[len(splits) - n_pad :] = [0] * n_pad
+                max_splits, splits = self._plan_mixed_decodes(dec_seq)
         rows = layout.req_rows
         if pad is not None:
             # Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.attention.base import BatchLayout
+from minisgl.attention.base import BatchLayout, padded_batch_size
 from minisgl.engine.batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -37,10 +37,8 @@ def graph_token_sizes(max_tokens: int) -> list[int]:
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, every 16 beyond: small padding waste where it counts."""
-    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, max_bs + 1, 16))
-    sizes = sorted({s for s in sizes if s <= max_bs} | {max_bs})
-    return sizes
+    """Every padded_batch_size up to max_bs's own (which may round max_bs up a little)."""
+    return sorted({padded_batch_size(n) for n in range(1, max_bs + 1)})
 
 
 class CudaGraphRunner:
@@ -153,7 +151,9 @@ class CudaGraphRunner:
         self.ext_metadata[tokens] = md
 
     def can_run_extend(self, layout: BatchLayout, num_logits: int) -> bool:
-        if not self.token_sizes:
+        if not self.token_sizes or layout.is_decode:
+            # A decode batch that cannot use a decode graph runs eagerly: an extend graph
+            # would plan its rows as a mixed batch's (another split plan, other rounding).
             return False
         tokens = layout.num_tokens
         if tokens > self.token_sizes[-1]:

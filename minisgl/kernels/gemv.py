@@ -51,17 +51,17 @@ def _gemv_kernel(
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_tiles(rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps): ~8k float32 accumulators per program."""
+def gemv_tiles(rows: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): ~8k float32 accumulators per program."""
     block_m = triton.next_power_of_2(max(rows, 1))
-    return block_m, 16 // block_m if block_m < 16 else 1, 512, 4
+    return block_m, 16 // block_m if block_m < 16 else 1, 512, 4, 3
 
 
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    tiles: tuple[int, int, int, int] | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
     rows, k_dim = x.shape
@@ -72,11 +72,11 @@ def gemv(
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps = tiles or gemv_tiles(rows)
+    block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

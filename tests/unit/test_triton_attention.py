@@ -175,7 +175,8 @@ def splits_of(backend: TritonBackend, prefix: list[int], ext: list[int], hk: int
 
 
 SMALL_TILES = {"extend_block_m": 16, "extend_block_n": 16}
-SMALL_SPLITS = {"min_split_tokens": 16, "decode_block_n": 16, "max_kv_splits": 4, "num_sms": 8}
+SMALL_SPLITS = {"min_split_tokens": 16, "mixed_split_tokens": 16, "decode_block_n": 16,
+                "max_kv_splits": 4, "num_sms": 8}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -374,3 +375,38 @@ def test_plan_decode_splits() -> None:
         (n,) = plan_decode_splits([length], 1, 132, 16, 16, 64)
         chunk = triton.cdiv(triton.cdiv(length, n), 64) * 64
         assert (n - 1) * chunk < length <= n * chunk
+
+
+def test_split_plans_do_not_change_when_a_graph_pads_the_batch() -> None:
+    """A row's split plan (its chunks and the kernel's tile) fixes its rounding, so it must
+    be the same eager and padded to a captured graph, or greedy tokens change with graphs
+    off: decode batches are planned as their padded size, and a mixed batch's one-token
+    rows each from their own length."""
+    from minisgl.attention.base import padded_batch_size
+    from minisgl.attention.triton_backend import ExtendGraphShape
+
+    CPU = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    backend = TritonBackend(KVPool(1, 64, 1, 8, 64, torch.float32, CPU), num_sms=132)
+    table = torch.zeros(600, 8, dtype=torch.int32)
+    for b in (1, 3, 5, 9, 17, 33, 63, 65, 100, 300):
+        prefix = torch.randint(1, 20_000, (b,), generator=gen).tolist()
+        eager = backend.prepare(BatchLayout(list(range(b)), prefix, [1] * b, table), CPU)
+        pad = padded_batch_size(b) - b  # the graph runner's padding rows: 0 + 1 token
+        layout = BatchLayout(
+            list(range(b)) + [599] * pad, prefix + [0] * pad, [1] * (b + pad), table
+        )
+        graph = backend.prepare(layout, CPU)
+        assert eager.max_splits == graph.max_splits, b
+        assert eager.num_splits.tolist() == graph.num_splits[:b].tolist(), b
+        # The same one-token rows beside a prefill chunk, eager and in a padded mixed graph.
+        mixed = BatchLayout(list(range(b + 1)), prefix + [0], [1] * b + [40], table)
+        eager = backend.prepare(mixed, CPU)
+        shape = ExtendGraphShape(rows=512, tiles=600, block_m=64)
+        graph = backend.prepare_extend_graph(mixed, CPU, shape)
+        assert eager.max_splits == graph.max_splits and eager.dec_rows == b
+        assert eager.num_splits.tolist() == graph.num_splits[:b].tolist(), b
+        assert set(graph.num_splits[b:].tolist()) == {0}  # padding rows do no work
+        alone = [backend.prepare(BatchLayout([i, b], [n, 0], [1, 40], table), CPU)
+                 for i, n in enumerate(prefix[:3])]  # fmt: skip
+        assert [md.num_splits[0].item() for md in alone] == eager.num_splits[:3].tolist()
