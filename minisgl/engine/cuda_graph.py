@@ -16,6 +16,7 @@ to score, and the LM head runs after the replay, so each graph keeps only [rows,
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -105,8 +106,19 @@ class CudaGraphRunner:
             self.positions[n:size].zero_()
             self.out_slots[n:size].fill_(self.scratch_slot)
 
-    @torch.inference_mode()
     def _capture_all(self) -> None:
+        # No garbage collection mid-capture: freeing an earlier engine's pinned buffers there
+        # may query CUDA events, which a capture forbids. (A GPU test's capture failed once,
+        # cause unseen, with earlier engines awaiting collection; it passed when re-run.)
+        gc.collect()
+        gc.disable()
+        try:
+            self._capture_graphs()
+        finally:
+            gc.enable()
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
         model = self.engine.model
         stream = torch.cuda.Stream(self.engine.device)
         stream.wait_stream(torch.cuda.current_stream())

@@ -1,22 +1,27 @@
-"""Skinny GEMM (1-4 rows) as a Triton kernel: y = x W^T (+ b) for batch-1..4 decoding.
+"""Skinny GEMM as a Triton kernel: y = x W^T (+ b) for batch-1 decoding (kernel: 1-4 rows).
 
 At batch 1 a decode step reads every weight once, so the linear layers should stream W at
-HBM bandwidth. cuBLAS reaches 3.1-3.6 TB/s on the mid-sized matrices of an 8B model on the
-H200 (the qkv, o and down projections: 33-100 MB; benchmark/RESULTS.md), and adds a split-K
-reduction kernel for some. Here each program owns BLOCK_N output columns for every row and
-streams their weight rows once, accumulating x * w elementwise in float32 registers over the
-whole of K and reducing across K only at the end (no reduction inside the loop, no second
-kernel). Opt-in (MINISGL_TRITON_GEMV=1, read by layers/cpu_linear.py) until the H200 sweep
-(benchmark/gpu/bench_gemv.py) shows where it wins.
+HBM bandwidth. Each program owns BLOCK_N output columns for every row and streams their
+weight rows once, accumulating x * w elementwise in float32 registers over the whole of K and
+reducing across K only at the end (no reduction inside the loop, no second kernel).
+
+Where it wins, measured on the H200 inside CUDA graphs (benchmark/gpu/bench_gemv.py,
+benchmark/RESULTS.md): one row on weights up to ~64M elements, e.g. Qwen3-8B's o projection
+7.1 vs 10.5 us and down 25.4 vs 28.5 us, Qwen3-0.6B's o 2.6 vs 12.4 us (cuBLAS runs a split-K
+GEMM plus a reduction there). cuBLAS stays on the widest weights (8B gate_up, LM heads) and
+on 2-4 rows, where it was faster at every tile tried.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels import cdiv
+from minisgl.kernels import GemvTiles, cdiv
 
 MAX_ROWS = 4
 
@@ -25,6 +30,7 @@ MAX_ROWS = 4
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SILU_GATED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -38,11 +44,16 @@ def _gemv_kernel(
         kk = k0 + offs_k
         k_mask = kk < k_dim
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
+        x_off = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_off, mask=x_mask, other=0.0)
+        if SILU_GATED:
+            # x rows are [gate | up]: silu_and_mul's two roundings (kernels/activation.py),
+            # so the product equals the unfused path's bit for bit.
+            gate = x.to(tl.float32)
+            up = tl.load(x_off + k_dim, mask=x_mask, other=0.0).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+            x = (act * up).to(x.dtype)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -51,20 +62,56 @@ def _gemv_kernel(
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_tiles(rows: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): ~8k float32 accumulators per program."""
+Tiles = GemvTiles
+
+
+def _load_table() -> dict[tuple[int, int, int], Tiles | None]:
+    """MINISGL_GEMV_TABLE: a JSON list of [rows, N, K, tiles or null (cuBLAS)], as written by
+    benchmark/gpu/bench_gemv.py --write-table; for tuning runs."""
+    path = os.environ.get("MINISGL_GEMV_TABLE")
+    if not path:
+        return {}
+    with open(path) as f:
+        return {(r, n, k): tuple(t) if t else None for r, n, k, t in json.load(f)}  # type: ignore[misc]
+
+
+TABLE = _load_table()
+
+
+def gemv_tiles(rows: int) -> Tiles:
+    """Default tiles: ~8k float32 accumulators per program."""
     block_m = triton.next_power_of_2(max(rows, 1))
     return block_m, 16 // block_m if block_m < 16 else 1, 512, 4, 3
+
+
+def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
+    """The tiles for this product, or None where cuBLAS is faster: the best tiles of the
+    H200 sweep per shape, as a rule (a MINISGL_GEMV_TABLE entry overrides it)."""
+    if (rows, n_cols, k_dim) in TABLE:
+        return TABLE[rows, n_cols, k_dim]
+    if rows != 1 or n_cols * k_dim > 64 * 2**20:
+        return None
+    if n_cols <= 1024:
+        return 1, 4, 2048, 4, 4  # few column blocks: each program streams a long K
+    if k_dim >= 8192:
+        return 1, 4, 1024, 4, 4
+    if k_dim >= 4096 and n_cols <= 4096:
+        return 1, 8, 1024, 4, 4
+    return 1, 8, 512, 4, 4
 
 
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    tiles: tuple[int, int, int, int, int] | None = None,
+    tiles: Tiles | None = None,
+    silu_gated: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype. With
+    ``silu_gated`` x is [M, 2K] and silu_and_mul(x) is multiplied instead (fused)."""
     rows, k_dim = x.shape
+    if silu_gated:
+        k_dim //= 2
     n_cols = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
     if x.stride(1) != 1:
@@ -77,6 +124,6 @@ def gemv(
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        SILU_GATED=silu_gated, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -1,4 +1,7 @@
-"""Linear products on CPU: picked per number of rows, because the default is slow for few.
+"""Linear products, picked per device and number of rows, because the defaults are slow for few.
+
+CUDA, 16-bit, one row (batch-1 decode): a Triton GEMV (kernels/gemv.py) where it beats cuBLAS
+on the H200; pack_model picks its tiles per layer at load time (MINISGL_TRITON_GEMV=0: off).
 
 Measured on the 2-core AMD EPYC dev box (fp32, SmolLM2-135M's 30 layers, best of 12):
 ``F.linear`` (MKL) takes 57 ms per batch-1 decode forward and 76 ms for the 5 tokens of a
@@ -16,6 +19,7 @@ MINISGL_CPU_ONEDNN=0 keeps only the originals (and F.linear from 3 rows on).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +37,8 @@ def _onednn_available() -> bool:
 
 _OFF = ("0", "false", "no", "off")
 ONEDNN = _onednn_available() and os.environ.get("MINISGL_CPU_ONEDNN", "1").lower() not in _OFF
-# Read here, so CPU-only installs never import triton and the hot path does no import.
-TRITON_GEMV = os.environ.get("MINISGL_TRITON_GEMV", "0").lower() in ("1", "true", "yes", "on")
+TRITON_GEMV = os.environ.get("MINISGL_TRITON_GEMV", "1").lower() not in _OFF
+_gemv: Any = None  # kernels.gemv.gemv, imported by pack_model (CPU installs never import triton)
 
 
 def linear(
@@ -42,13 +46,13 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    gemv_tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """F.linear; ``packed`` is ``weight`` reordered by `pack` (None: not packed)."""
+    """F.linear; ``packed`` is ``weight`` reordered by `pack` (None: not packed);
+    ``gemv_tiles``: one-row products run the Triton GEMV with these tiles (see pack_model)."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if TRITON_GEMV and x.device.type == "cuda" and 0 < rows <= 4 and x.dtype != torch.float32:
-        from minisgl.kernels.gemv import gemv  # opt-in skinny GEMM (see kernels/gemv.py)
-
-        return gemv(x, weight, bias)
+    if gemv_tiles is not None and rows == 1:
+        return _gemv(x, weight, bias, gemv_tiles)  # type: ignore[no-any-return]
     if x.device.type != "cpu" or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
     if rows <= 2:
@@ -87,9 +91,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def pack_model(model: nn.Module) -> None:
-    """Reorder the weights of every layer that computes through `linear` (after loading)."""
+def pack_model(model: nn.Module, gemv: bool = TRITON_GEMV) -> None:
+    """Prepare every layer that computes through `linear` (after loading): CPU weights
+    reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins."""
+    global _gemv
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(type(module), "cpu_packed") and isinstance(weight, torch.Tensor):
             setattr(module, "cpu_packed", pack(weight))  # noqa: B010 (not a registered buffer)
+            tiles = None
+            if gemv and weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+                from minisgl.kernels import gemv as gemv_kernels
+
+                _gemv = gemv_kernels.gemv
+                tiles = gemv_kernels.gemv_choice(1, weight.shape[0], weight.shape[1])
+            setattr(module, "gemv_tiles", tiles)  # noqa: B010

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_gather_last_dim, all_reduce
+from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import linear
 
 
@@ -45,7 +46,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
 
+    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, None, self.cpu_packed)
+        logits = linear(hidden, self.weight, None, self.cpu_packed, self.gemv_tiles)
         logits = all_gather_last_dim(logits, self.tp)
         return logits[..., : self.vocab_size]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
+from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import linear
 
 
@@ -21,6 +22,7 @@ def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
 
 class ReplicatedLinear(nn.Module):
     cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
+    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -28,7 +30,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_packed)
+        return linear(x, self.weight, self.bias, self.cpu_packed, self.gemv_tiles)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -39,6 +41,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     cpu_packed: torch.Tensor | None = None
+    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo) -> None:
         super().__init__()
@@ -59,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.cpu_packed)
+        return linear(x, self.weight, self.bias, self.cpu_packed, self.gemv_tiles)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -96,6 +99,7 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
     cpu_packed: torch.Tensor | None = None
+    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo) -> None:
         super().__init__()
@@ -110,7 +114,18 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.cpu_packed)
+        return self._finish(linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles))
+
+    def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """forward(silu_and_mul(gate_up)) as one GEMV for a single row, bit for bit; None
+        where that path does not apply (then the caller runs the two steps)."""
+        if self.gemv_tiles is None or gate_up.dim() != 2 or gate_up.shape[0] != 1:
+            return None
+        from minisgl.kernels.gemv import gemv  # CUDA only: set tiles imply triton is present
+
+        return self._finish(gemv(gate_up, self.weight, None, self.gemv_tiles, silu_gated=True))
+
+    def _finish(self, y: torch.Tensor) -> torch.Tensor:
         y = all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

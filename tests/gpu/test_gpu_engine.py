@@ -163,3 +163,20 @@ def test_exact_max_tokens_and_eos_under_overlap(tiny: Path) -> None:
     )[0]
     assert r["token_ids"] == full[: full.index(stop) + 1]  # nothing after the stop token
     assert_engine_clean(llm)
+
+
+def test_batch1_gemv_layers_match_cublas(tiny: Path) -> None:
+    """bf16 on CUDA: one-row products of the loaded model run the Triton GEMV (tiles set at
+    load) and equal cuBLAS's up to bf16 rounding; MINISGL_TRITON_GEMV=0's path has none."""
+    from minisgl.layers.cpu_linear import pack_model
+
+    llm = LLM(str(tiny))
+    layers = [m for m in llm.engine.model.modules() if getattr(m, "gemv_tiles", None)]
+    assert layers, "no layer took the GEMV"
+    for m in layers:
+        x = torch.randn(1, m.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+        ref = torch.nn.functional.linear(x, m.weight, getattr(m, "bias", None))
+        got = m(x) if not hasattr(m, "compute_logits") else m.compute_logits(x)
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    pack_model(llm.engine.model, gemv=False)  # what MINISGL_TRITON_GEMV=0 loads
+    assert not any(getattr(m, "gemv_tiles", None) for m in llm.engine.model.modules())

@@ -54,6 +54,36 @@ def check_gemv_strided_rows_and_empty(device: torch.device) -> None:
     assert gemv(x[:0].to(device), w.to(device)).shape == (0, 24)
 
 
+def check_gemv_tile_rule(device: torch.device) -> None:
+    """Every branch of gemv_choice gives tiles that compute the product (shapes shrunk)."""
+    from minisgl.kernels.gemv import gemv, gemv_choice
+
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((40, 3000), (1030, 8200), (1030, 4100), (1030, 1000)):
+        tiles = gemv_choice(1, n, k)
+        assert tiles is not None and tiles[0] == 1
+        x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+        got = gemv(x.to(device), w.to(device), None, tiles)
+        torch.testing.assert_close(got.cpu(), x @ w.T, atol=1e-4, rtol=1e-4)
+    # cuBLAS keeps 2-4 rows and the widest weights (an LM head), where it measured faster.
+    assert gemv_choice(2, 1024, 1024) is None and gemv_choice(1, 151936, 1024) is None
+
+
+def check_gemv_silu_gated_equals_unfused(device: torch.device) -> None:
+    """The down projection with silu_and_mul inside equals silu_and_mul then the GEMV, bit
+    for bit (the same roundings, the same accumulation)."""
+    from minisgl.kernels.activation import silu_and_mul
+    from minisgl.kernels.gemv import gemv, gemv_choice
+
+    g = torch.Generator().manual_seed(5)
+    for dtype, (n, k) in ((torch.float32, (40, 3000)), (torch.bfloat16, (1030, 1000))):
+        gate_up = (torch.randn(1, 2 * k, generator=g) * 3).to(dtype).to(device)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
+        tiles = gemv_choice(1, n, k)
+        fused = gemv(gate_up, w, None, tiles, silu_gated=True)
+        assert torch.equal(fused, gemv(silu_and_mul(gate_up), w, None, tiles))
+
+
 CHECKS = kernel_checks.collect(globals())
 
 
