@@ -30,7 +30,6 @@ MAX_ROWS = 4
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SILU_GATED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -45,15 +44,7 @@ def _gemv_kernel(
         k_mask = kk < k_dim
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x_off = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
-        x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_off, mask=x_mask, other=0.0)
-        if SILU_GATED:
-            # x rows are [gate | up]: silu_and_mul's two roundings (kernels/activation.py),
-            # so the product equals the unfused path's bit for bit.
-            gate = x.to(tl.float32)
-            up = tl.load(x_off + k_dim, mask=x_mask, other=0.0).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
-            x = (act * up).to(x.dtype)
+        x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
@@ -105,13 +96,9 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
-    silu_gated: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype. With
-    ``silu_gated`` x is [M, 2K] and silu_and_mul(x) is multiplied instead (fused)."""
+    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
     rows, k_dim = x.shape
-    if silu_gated:
-        k_dim //= 2
     n_cols = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
     if x.stride(1) != 1:
@@ -124,6 +111,6 @@ def gemv(
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SILU_GATED=silu_gated, num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

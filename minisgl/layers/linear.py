@@ -114,18 +114,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._finish(linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles))
-
-    def forward_silu_gated(self, gate_up: torch.Tensor) -> torch.Tensor | None:
-        """forward(silu_and_mul(gate_up)) as one GEMV for a single row, bit for bit; None
-        where that path does not apply (then the caller runs the two steps)."""
-        if self.gemv_tiles is None or gate_up.dim() != 2 or gate_up.shape[0] != 1:
-            return None
-        from minisgl.kernels.gemv import gemv  # CUDA only: set tiles imply triton is present
-
-        return self._finish(gemv(gate_up, self.weight, None, self.gemv_tiles, silu_gated=True))
-
-    def _finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles)
         y = all_reduce(y, self.tp)
         if self.bias is not None:
             y = y + self.bias

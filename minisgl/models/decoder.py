@@ -11,7 +11,7 @@ from torch import nn
 
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
-from minisgl.layers.activation import ACTIVATIONS, silu_and_mul
+from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.attention import SelfAttention
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -30,12 +30,7 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.act is silu_and_mul:  # batch 1 on CUDA: the activation inside the down GEMV
-            y = self.down_proj.forward_silu_gated(gate_up)
-            if y is not None:
-                return y
-        return self.down_proj(self.act(gate_up))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
