@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -58,6 +59,24 @@ def run_child(body: Callable[[], None]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# Young-generation threshold: CPython's 700 allocations meant ~400 collections during a burst
+# of 512 streamed requests in the API server (one dict per chunk); cyclic garbage is rare here,
+# reference counting frees the rest, so collecting less often costs little memory.
+GC_GEN0_THRESHOLD = 20_000
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (modules, the app, the model's Python objects)
+    out of the collector's reach, and collect the young generation less often. A full
+    collection traverses every tracked object: in the API server a burst of 512 requests
+    made one take 80-100 ms on the event loop, much of it start-up objects that never die
+    (vLLM freezes its start-up heap too). Together: GC time per burst 210-280 -> ~95 ms."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 def parent_alive(parent_pid: int) -> bool:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from minisgl.ipc.messages import decode, encode
 
@@ -74,8 +73,3 @@ def recv_all(sock: zmq.Socket[Any], timeout_ms: int | None) -> list[Any]:
         except zmq.Again:
             return msgs
         msgs.append(decode(data.bytes))
-
-
-async def recv_async(sock: zmq.asyncio.Socket) -> Any:
-    data = await sock.recv(copy=False)
-    return decode(data.bytes)

@@ -30,7 +30,13 @@ import zmq
 
 from minisgl.config import EngineConfig
 from minisgl.ipc import sockets
-from minisgl.ipc.child import parent_alive, run_child, setup_child, startup_report
+from minisgl.ipc.child import (
+    freeze_startup_heap,
+    parent_alive,
+    run_child,
+    setup_child,
+    startup_report,
+)
 from minisgl.ipc.messages import (
     AbortRequests,
     AddRequests,
@@ -100,6 +106,7 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
                 "speculative_algorithm": args.config.speculative_algorithm,
             }
         )
+        freeze_startup_heap()
         loop.run()
     if tp.size > 1:
         # Leave gloo/NCCL before the interpreter exits: tearing down a live group at exit

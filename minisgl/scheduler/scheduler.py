@@ -315,8 +315,7 @@ class Scheduler:
         it to land in the cache instead of computing it twice. ``admitted`` buckets this
         step's requests by their leading tokens, so the check is cheap for unrelated prompts."""
         for other in admitted.get(_lead(req), ()):
-            n = _common_prefix(req.prompt_ids, other.prompt_ids)
-            if n - req.kv_len >= IN_BATCH_PREFIX_MIN:
+            if _shares_prefix(req.prompt_ids, other.prompt_ids, req.kv_len + IN_BATCH_PREFIX_MIN):
                 return True
         return False
 
@@ -574,11 +573,11 @@ def _lead(req: Req) -> tuple[int, ...]:
     return tuple(req.prompt_ids[:IN_BATCH_PREFIX_MIN])
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    import numpy as np
-
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if len(diff) else n
+def _shares_prefix(a: list[int], b: list[int], n: int) -> bool:
+    """Whether a and b agree on their first n tokens. List comparisons run in C; the window
+    past the cached part goes first, as it tells apart requests that share only a cached
+    system prompt (the usual case) without comparing the thousands of tokens before it."""
+    if len(a) < n or len(b) < n:
+        return False
+    lo = n - IN_BATCH_PREFIX_MIN
+    return a[lo:n] == b[lo:n] and a[:lo] == b[:lo]

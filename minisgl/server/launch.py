@@ -324,6 +324,9 @@ def _make_server(
     state = ServerState(info, frontend, metrics, int(time.time()))
 
     def on_started() -> None:
+        from minisgl.ipc.child import freeze_startup_heap
+
+        freeze_startup_heap()  # uvicorn and the app are loaded by now
         logger.info(
             "minisgl serving %s at http://%s:%d (startup took %.1fs)",
             info.served_model_name, args.host, port, time.perf_counter() - started,

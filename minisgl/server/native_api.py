@@ -80,20 +80,28 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
         # Like SGLang: each event carries the text and output ids so far, not a delta.
         results = [SequenceResult() for _ in group.rids]
-        async for out in group.outputs(first):
-            if out.error is not None:
-                for j in open_choices(results):
-                    results[j].finish_reason, results[j].error = "abort", out.error
-                    event = _item(ids[j], results[j], group.arrival, body.return_logprob, spec)
-                    yield sse(event if single else {**event, "index": j})
-                yield sse_error(out.error_status or 500, out.error)
+        failed = False
+        # One write per batch of outputs (see RequestGroup.batches), not one per event.
+        async for batch in group.batches(first):
+            chunks: list[str] = []
+            for out in batch:
+                if out.error is not None:
+                    for j in open_choices(results):
+                        results[j].finish_reason, results[j].error = "abort", out.error
+                        event = _item(ids[j], results[j], group.arrival, body.return_logprob, spec)
+                        chunks.append(sse(event if single else {**event, "index": j}))
+                    chunks.append(sse_error(out.error_status or 500, out.error))
+                    failed = True
+                    break
+                i = group.index[out.rid]
+                results[i].add(out)
+                event = _item(ids[i], results[i], group.arrival, body.return_logprob, spec)
+                if not single:
+                    event["index"] = i
+                chunks.append(sse(event))
+            yield "".join(chunks)
+            if failed:
                 break
-            i = group.index[out.rid]
-            results[i].add(out)
-            event = _item(ids[i], results[i], group.arrival, body.return_logprob, spec)
-            if not single:
-                event["index"] = i
-            yield sse(event)
         yield DONE
 
     return await respond(request, group, body.stream, stream, full)

@@ -123,28 +123,34 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return sse(chunk_env.wrap([choice], **extra))
 
-        for i in range(n):
-            yield chunk(i, {"role": "assistant", "content": ""})
+        yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
         results = [SequenceResult() for _ in group.rids]
-        async for out in group.outputs(first):
-            if out.error is not None:
-                # Every choice still open ends with finish_reason "abort", then the error says
-                # why (timeout, shutdown, engine failure).
-                for j in open_choices(results):
-                    yield chunk(j, {}, None, "abort")
-                yield sse_error(out.error_status or 500, out.error)
+        failed = False
+        # One write per batch of outputs (see RequestGroup.batches), not one per chunk.
+        async for batch in group.batches(first):
+            chunks: list[str] = []
+            for out in batch:
+                if out.error is not None:
+                    # Every choice still open ends with finish_reason "abort", then the error
+                    # says why (timeout, shutdown, engine failure).
+                    chunks += [chunk(j, {}, None, "abort") for j in open_choices(results)]
+                    chunks.append(sse_error(out.error_status or 500, out.error))
+                    failed = True
+                    break
+                i = group.index[out.rid]
+                results[i].add(out)
+                delta = {"content": out.text} if out.text else {}
+                logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
+                if out.finished:
+                    chunks.append(chunk(i, delta, logprobs, out.finish_reason))
+                elif delta or logprobs:
+                    chunks.append(chunk(i, delta, logprobs))
+            if chunks:
+                yield "".join(chunks)
+            if failed:
                 break
-            i = group.index[out.rid]
-            results[i].add(out)
-            delta = {"content": out.text} if out.text else {}
-            logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
-            if out.finished:
-                yield chunk(i, delta, logprobs, out.finish_reason)
-            elif delta or logprobs:
-                yield chunk(i, delta, logprobs)
-        else:
-            if body.include_usage:
-                yield sse(chunk_env.wrap([], usage=usage(results, n, state.speculative)))
+        if not failed and body.include_usage:
+            yield sse(chunk_env.wrap([], usage=usage(results, n, state.speculative)))
         yield DONE
 
     return await respond(request, group, body.stream, stream, full)
@@ -195,35 +201,48 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         extra = {"usage": None} if body.include_usage else {}
         results = [SequenceResult() for _ in group.rids]
         offsets = [0] * len(group.rids)
-        async for out in group.outputs(first):
-            if out.error is not None:
-                for j in open_choices(results):
-                    choice = {"index": j, "text": "", "logprobs": None, "finish_reason": "abort"}
-                    yield sse(env.wrap([choice], **extra))
-                yield sse_error(out.error_status or 500, out.error)
+        failed = False
+        # One write per batch of outputs (see RequestGroup.batches), not one per chunk.
+        async for batch in group.batches(first):
+            chunks: list[str] = []
+            for out in batch:
+                if out.error is not None:
+                    for j in open_choices(results):
+                        choice = {
+                            "index": j,
+                            "text": "",
+                            "logprobs": None,
+                            "finish_reason": "abort",
+                        }
+                        chunks.append(sse(env.wrap([choice], **extra)))
+                    chunks.append(sse_error(out.error_status or 500, out.error))
+                    failed = True
+                    break
+                i = group.index[out.rid]
+                results[i].add(out)
+                text = out.text
+                if body.echo and out.prompt_text is not None:
+                    text = out.prompt_text + text
+                logprobs = None
+                if want_logprobs and (out.logprobs or out.prompt_token_strs):
+                    logprobs = completion_logprobs(
+                        out.logprobs or [], offsets[i], out.prompt_token_strs, out.prompt_logprobs
+                    )
+                offsets[i] += len(text)
+                if out.finished or text or logprobs:
+                    choice = {
+                        "index": i,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": out.finish_reason,
+                    }
+                    chunks.append(sse(env.wrap([choice], **extra)))
+            if chunks:
+                yield "".join(chunks)
+            if failed:
                 break
-            i = group.index[out.rid]
-            results[i].add(out)
-            text = out.text
-            if body.echo and out.prompt_text is not None:
-                text = out.prompt_text + text
-            logprobs = None
-            if want_logprobs and (out.logprobs or out.prompt_token_strs):
-                logprobs = completion_logprobs(
-                    out.logprobs or [], offsets[i], out.prompt_token_strs, out.prompt_logprobs
-                )
-            offsets[i] += len(text)
-            if out.finished or text or logprobs:
-                choice = {
-                    "index": i,
-                    "text": text,
-                    "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
-                }
-                yield sse(env.wrap([choice], **extra))
-        else:
-            if body.include_usage:
-                yield sse(env.wrap([], usage=usage(results, n, state.speculative)))
+        if not failed and body.include_usage:
+            yield sse(env.wrap([], usage=usage(results, n, state.speculative)))
         yield DONE
 
     return await respond(request, group, body.stream, stream, full)

@@ -134,11 +134,11 @@ class CompletionRequest(_OpenAISampling):
         if isinstance(p, str):
             return [p]
         if isinstance(p, list) and p:
-            if all(_is_token_id(t) for t in p):
+            if _all_token_ids(p):
                 return [list(p)]
             if all(isinstance(t, str) for t in p):
                 return list(p)
-            if all(isinstance(t, list) and t and all(_is_token_id(i) for i in t) for t in p):
+            if all(isinstance(t, list) and t and _all_token_ids(t) for t in p):
                 return [list(t) for t in p]
         if p == [] or p == [[]]:
             raise ValueError("prompt is empty: at least one token is required")
@@ -151,8 +151,11 @@ class CompletionRequest(_OpenAISampling):
 MAX_TOKEN_ID = 2**31 - 1  # the scheduler reports ids outside the vocabulary precisely
 
 
-def _is_token_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= MAX_TOKEN_ID
+def _all_token_ids(items: list[Any]) -> bool:
+    """Every item an integer id in [0, MAX_TOKEN_ID] (bools are not ids). Checked with C-level
+    passes (types, min, max), not a Python call per item: prompts run to thousands of ids,
+    and a burst of them is parsed on the event loop that also streams every response."""
+    return set(map(type, items)) == {int} and min(items) >= 0 and max(items) <= MAX_TOKEN_ID
 
 
 class GenerateSamplingParams(BaseModel):
@@ -237,7 +240,8 @@ def check_sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"n must be at most {MAX_N}, got {params.n}")
     if params.seed is not None and not SEED_RANGE[0] <= params.seed <= SEED_RANGE[1]:
         raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {params.seed}")
-    out = dataclasses.asdict(params)
+    # A shallow copy (asdict deep-copies, field by field, on every request).
+    out = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
     out["max_tokens"] = fields.get("max_tokens")
     return out
 

@@ -31,8 +31,13 @@ DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; the client never sees it
 
 
+# json.dumps(payload, ensure_ascii=False) builds a new encoder per call; one chunk per token
+# per stream makes that cost count. The output is the same.
+_encode_json = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_encode_json(payload)}\n\n"
 
 
 class ClientGone(Exception):

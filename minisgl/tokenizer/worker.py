@@ -20,7 +20,13 @@ from typing import Any
 import zmq
 
 from minisgl.ipc import sockets
-from minisgl.ipc.child import parent_alive, run_child, setup_child, startup_report
+from minisgl.ipc.child import (
+    freeze_startup_heap,
+    parent_alive,
+    run_child,
+    setup_child,
+    startup_report,
+)
 from minisgl.ipc.messages import (
     AbortRequests,
     AddRequests,
@@ -80,6 +86,7 @@ def _serve(args: WorkerArgs, report_queue: Any) -> None:
         save_tokenizer_copy(tokenizer, Path(args.tokenizer_copy_dir))
         worker = Worker(tokenizer, args)
         ready({"chat_template": bool(getattr(tokenizer, "chat_template", None))})
+        freeze_startup_heap()
         worker.run()
 
 
@@ -174,7 +181,7 @@ class Worker:
 
     def _tokenize(self, item: SubmitItem) -> list[int]:
         if item.input_ids is not None:
-            return [int(t) for t in item.input_ids]
+            return list(map(int, item.input_ids))  # no Python loop per token
         if item.messages is not None:
             ids = self.tokenizer.apply_chat_template(
                 item.messages, add_generation_prompt=True, tokenize=True
