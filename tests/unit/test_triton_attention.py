@@ -410,3 +410,18 @@ def test_split_plans_do_not_change_when_a_graph_pads_the_batch() -> None:
         alone = [backend.prepare(BatchLayout([i, b], [n, 0], [1, 40], table), CPU)
                  for i, n in enumerate(prefix[:3])]  # fmt: skip
         assert [md.num_splits[0].item() for md in alone] == eager.num_splits[:3].tolist()
+
+
+def test_graph_sizes_are_the_padded_batch_sizes() -> None:
+    """A decode batch of n rows replays the graph of padded_batch_size(n) rows, the size its
+    split plan is made for (graphs on or off)."""
+    from minisgl.attention.base import padded_batch_size
+    from minisgl.engine.cuda_graph import graph_batch_sizes
+
+    assert [padded_batch_size(n) for n in (1, 2, 3, 5, 9, 63, 65, 80, 81)] == [
+        1, 2, 4, 8, 16, 64, 80, 80, 96,
+    ]  # fmt: skip
+    for max_bs in (1, 7, 100, 256):
+        sizes = graph_batch_sizes(max_bs)
+        for n in range(1, max_bs + 1):
+            assert next(s for s in sizes if s >= n) == padded_batch_size(n)
