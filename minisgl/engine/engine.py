@@ -29,7 +29,11 @@ from minisgl.engine.staging import DeviceStager
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
 from minisgl.models.config import ModelConfig
-from minisgl.models.loader import init_dummy_weights, iter_safetensors, load_weights
+from minisgl.models.loader import (
+    iter_dummy_weights,
+    iter_safetensors,
+    load_weights,
+)
 from minisgl.models.registry import build_model
 from minisgl.models.resolve import ResolvedModel, resolve_model_path
 from minisgl.sampling_params import SamplingParams
@@ -142,7 +146,9 @@ class Engine:
     def _load_weights(self) -> None:
         fmt = self.config.load_format
         if fmt == "dummy":
-            init_dummy_weights(self.model, self.config.seed)
+            # One full random checkpoint, of which every TP rank loads its shard.
+            dummy = iter_dummy_weights(self.hf_config, self.device, self.dtype, self.config.seed)
+            load_weights(self.model, dummy)
             return
         if self.resolved.kind == "gguf":
             from minisgl.models.gguf_loader import iter_gguf_weights

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -113,16 +114,28 @@ def _map_expert(name: str) -> tuple[str, int] | None:
     return None
 
 
-@torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights for benchmarks: small normals, unit norms; finite logits at any depth."""
-    gens: dict[torch.device, torch.Generator] = {}
-    for name, p in model.named_parameters():
+def iter_dummy_weights(
+    hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A random checkpoint for benchmarks: every tensor the Hugging Face model of
+    ``hf_config`` has, at its full (unsharded) shape: norms 1, biases 0, the rest
+    normal(0, 0.02) (finite logits at any depth), each drawn from a seed of its own name.
+    Loaded through load_weights, every tensor-parallel rank takes its shard of one and the
+    same model, so TP=2 runs the TP=1 model."""
+    import zlib
+
+    import transformers
+
+    fields = dict(hf_config)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):  # names and shapes only: no memory
+        hf_model = transformers.AutoModelForCausalLM.from_config(config)
+    for name, p in hf_model.named_parameters():
         if name.endswith("norm.weight"):
-            p.fill_(1.0)
+            t = torch.ones(p.shape, device=device, dtype=dtype)
         elif name.endswith(".bias"):
-            p.zero_()
+            t = torch.zeros(p.shape, device=device, dtype=dtype)
         else:
-            # Generate on the parameter's own device: fast for multi-GB GPU models.
-            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
-            p.normal_(0.0, 0.02, generator=gen)
+            gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
+            t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+        yield name, t

@@ -159,6 +159,15 @@ def test_tp2_matches_tp1_and_ranks_agree(
     _assert_exits(pid)
 
 
+def test_tp2_dummy_weights_are_the_tp1_model(models: dict[str, Path]) -> None:
+    """--load-format dummy: each rank loads its shard of one random checkpoint, so TP=2 gives
+    TP=1's greedy tokens (benchmarks compare the two on dummy weights)."""
+    path = str(models["qwen3"])
+    ref = LLM(path, load_format="dummy", **OPTIONS).generate(PROMPTS, _greedy(12))
+    with LLM(path, tp_size=2, load_format="dummy", **OPTIONS) as llm:
+        assert llm.generate(PROMPTS, _greedy(12)) == ref
+
+
 def test_multi_node_flags_two_simulated_nodes(models: dict[str, Path]) -> None:
     """Node 1 (one rank) is a separate launcher process, as on a second machine."""
     path = str(models["llama"])
