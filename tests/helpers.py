@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +137,23 @@ def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 1) -> Path:
             weights[name] = w + scale * torch.randn(w.shape, generator=gen)
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def shared_prefix_workload(
+    seed: int, requests: int, system_len: int, max_tail: int, max_tokens: int
+) -> tuple[list[list[int]], list[Any]]:
+    """Greedy requests, every other one behind one shared system prompt (radix-cache hits),
+    with random tails of 1..max_tail ids and 4..max_tokens output tokens (ignore_eos)."""
+    from minisgl import SamplingParams
+
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 256) for _ in range(system_len)]
+    prompts = []
+    for i in range(requests):
+        tail = [rng.randrange(3, 256) for _ in range(rng.randint(1, max_tail))]
+        prompts.append(system + tail if i % 2 else tail)
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(4, max_tokens), ignore_eos=True)
+        for _ in prompts
+    ]
+    return prompts, params

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.kernels import GemvTiles
+
 
 def _onednn_available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
@@ -46,7 +48,7 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
-    gemv_tiles: tuple[int, ...] | None = None,
+    gemv_tiles: GemvTiles | None = None,
 ) -> torch.Tensor:
     """F.linear; ``packed`` is ``weight`` reordered by `pack` (None: not packed);
     ``gemv_tiles``: one-row products run the Triton GEMV with these tiles (see pack_model)."""

@@ -12,11 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from minisgl.ipc.messages import ControlReply, TextOutput
-from minisgl.server.errors import APIError, bad_request, sse_error
+from minisgl.server.errors import APIError, bad_request
 from minisgl.server.frontend import RequestGroup, SequenceResult, ServiceUnavailable, make_items
 from minisgl.server.protocol import GenerateRequest, choice_params
 from minisgl.server.state import ServerState, server_state
-from minisgl.server.streaming import DONE, open_choices, respond, sse
+from minisgl.server.streaming import respond, sse, sse_stream
 from minisgl.speculative.report import spec_report
 
 router = APIRouter()
@@ -80,29 +80,17 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
         # Like SGLang: each event carries the text and output ids so far, not a delta.
         results = [SequenceResult() for _ in group.rids]
-        failed = False
-        # One write per batch of outputs (see RequestGroup.batches), not one per event.
-        async for batch in group.batches(first):
-            chunks: list[str] = []
-            for out in batch:
-                if out.error is not None:
-                    for j in open_choices(results):
-                        results[j].finish_reason, results[j].error = "abort", out.error
-                        event = _item(ids[j], results[j], group.arrival, body.return_logprob, spec)
-                        chunks.append(sse(event if single else {**event, "index": j}))
-                    chunks.append(sse_error(out.error_status or 500, out.error))
-                    failed = True
-                    break
-                i = group.index[out.rid]
-                results[i].add(out)
-                event = _item(ids[i], results[i], group.arrival, body.return_logprob, spec)
-                if not single:
-                    event["index"] = i
-                chunks.append(sse(event))
-            yield "".join(chunks)
-            if failed:
-                break
-        yield DONE
+
+        def render(i: int, out: TextOutput | None = None) -> str:
+            event = _item(ids[i], results[i], group.arrival, body.return_logprob, spec)
+            return sse(event if single else {**event, "index": i})
+
+        def render_abort(j: int, error: str) -> str:
+            results[j].finish_reason, results[j].error = "abort", error
+            return render(j)
+
+        async for data in sse_stream(group, first, results, render, render_abort):
+            yield data
 
     return await respond(request, group, body.stream, stream, full)
 

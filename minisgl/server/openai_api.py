@@ -12,11 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from minisgl.ipc.messages import TextOutput, TokenLogprob
-from minisgl.server.errors import bad_request, sse_error
+from minisgl.server.errors import bad_request
 from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, choice_params
 from minisgl.server.state import server_state
-from minisgl.server.streaming import DONE, open_choices, respond, sse, usage
+from minisgl.server.streaming import respond, sse, sse_stream, usage
 
 router = APIRouter()
 
@@ -125,33 +125,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
         yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
         results = [SequenceResult() for _ in group.rids]
-        failed = False
-        # One write per batch of outputs (see RequestGroup.batches), not one per chunk.
-        async for batch in group.batches(first):
-            chunks: list[str] = []
-            for out in batch:
-                if out.error is not None:
-                    # Every choice still open ends with finish_reason "abort", then the error
-                    # says why (timeout, shutdown, engine failure).
-                    chunks += [chunk(j, {}, None, "abort") for j in open_choices(results)]
-                    chunks.append(sse_error(out.error_status or 500, out.error))
-                    failed = True
-                    break
-                i = group.index[out.rid]
-                results[i].add(out)
-                delta = {"content": out.text} if out.text else {}
-                logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
-                if out.finished:
-                    chunks.append(chunk(i, delta, logprobs, out.finish_reason))
-                elif delta or logprobs:
-                    chunks.append(chunk(i, delta, logprobs))
-            if chunks:
-                yield "".join(chunks)
-            if failed:
-                break
-        if not failed and body.include_usage:
-            yield sse(chunk_env.wrap([], usage=usage(results, n, state.speculative)))
-        yield DONE
+
+        def render(i: int, out: TextOutput) -> str | None:
+            delta = {"content": out.text} if out.text else {}
+            logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
+            if out.finished:
+                return chunk(i, delta, logprobs, out.finish_reason)
+            return chunk(i, delta, logprobs) if delta or logprobs else None
+
+        def tail() -> str | None:
+            if not body.include_usage:
+                return None
+            return sse(chunk_env.wrap([], usage=usage(results, n, state.speculative)))
+
+        async for data in sse_stream(
+            group, first, results, render, lambda j, _: chunk(j, {}, None, "abort"), tail
+        ):
+            yield data
 
     return await respond(request, group, body.stream, stream, full)
 
@@ -201,48 +191,33 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         extra = {"usage": None} if body.include_usage else {}
         results = [SequenceResult() for _ in group.rids]
         offsets = [0] * len(group.rids)
-        failed = False
-        # One write per batch of outputs (see RequestGroup.batches), not one per chunk.
-        async for batch in group.batches(first):
-            chunks: list[str] = []
-            for out in batch:
-                if out.error is not None:
-                    for j in open_choices(results):
-                        choice = {
-                            "index": j,
-                            "text": "",
-                            "logprobs": None,
-                            "finish_reason": "abort",
-                        }
-                        chunks.append(sse(env.wrap([choice], **extra)))
-                    chunks.append(sse_error(out.error_status or 500, out.error))
-                    failed = True
-                    break
-                i = group.index[out.rid]
-                results[i].add(out)
-                text = out.text
-                if body.echo and out.prompt_text is not None:
-                    text = out.prompt_text + text
-                logprobs = None
-                if want_logprobs and (out.logprobs or out.prompt_token_strs):
-                    logprobs = completion_logprobs(
-                        out.logprobs or [], offsets[i], out.prompt_token_strs, out.prompt_logprobs
-                    )
-                offsets[i] += len(text)
-                if out.finished or text or logprobs:
-                    choice = {
-                        "index": i,
-                        "text": text,
-                        "logprobs": logprobs,
-                        "finish_reason": out.finish_reason,
-                    }
-                    chunks.append(sse(env.wrap([choice], **extra)))
-            if chunks:
-                yield "".join(chunks)
-            if failed:
-                break
-        if not failed and body.include_usage:
-            yield sse(env.wrap([], usage=usage(results, n, state.speculative)))
-        yield DONE
+
+        def choice_chunk(i: int, text: str, logprobs: Any, finish: str | None) -> str:
+            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return sse(env.wrap([choice], **extra))
+
+        def render(i: int, out: TextOutput) -> str | None:
+            text = out.text
+            if body.echo and out.prompt_text is not None:
+                text = out.prompt_text + text
+            logprobs = None
+            if want_logprobs and (out.logprobs or out.prompt_token_strs):
+                logprobs = completion_logprobs(
+                    out.logprobs or [], offsets[i], out.prompt_token_strs, out.prompt_logprobs
+                )
+            offsets[i] += len(text)
+            if out.finished or text or logprobs:
+                return choice_chunk(i, text, logprobs, out.finish_reason)
+            return None
+
+        def tail() -> str | None:
+            if not body.include_usage:
+                return None
+            return sse(env.wrap([], usage=usage(results, n, state.speculative)))
+
+        async for data in sse_stream(
+            group, first, results, render, lambda j, _: choice_chunk(j, "", None, "abort"), tail
+        ):
+            yield data
 
     return await respond(request, group, body.stream, stream, full)

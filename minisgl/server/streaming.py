@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from minisgl.ipc.messages import TextOutput
-from minisgl.server.errors import APIError
+from minisgl.server.errors import APIError, sse_error
 from minisgl.server.frontend import RequestGroup, SequenceResult
 from minisgl.speculative.report import spec_report
 
@@ -124,6 +124,41 @@ async def respond(
 def open_choices(results: list[SequenceResult]) -> list[int]:
     """Indices of the choices that have not finished yet."""
     return [i for i, r in enumerate(results) if r.finish_reason is None]
+
+
+async def sse_stream(
+    group: RequestGroup,
+    first: TextOutput,
+    results: list[SequenceResult],
+    render: Callable[[int, TextOutput], str | None],
+    render_abort: Callable[[int, str], str],
+    tail: Callable[[], str | None] | None = None,
+) -> AsyncIterator[str]:
+    """A route's SSE body: one write per batch of outputs (RequestGroup.batches), not one per
+    chunk. Each output is added to its choice's result, then ``render(choice, output)`` gives
+    its chunk (None: nothing to send). An error ends the stream: every choice still open gets
+    ``render_abort(choice, error)``, then the error event says why (timeout, shutdown, engine
+    failure). Otherwise ``tail()`` (e.g. a usage chunk) comes last; [DONE] always closes."""
+    async for batch in group.batches(first):
+        chunks: list[str] = []
+        for out in batch:
+            if out.error is not None:
+                chunks += [render_abort(j, out.error) for j in open_choices(results)]
+                chunks.append(sse_error(out.error_status or 500, out.error))
+                yield "".join(chunks)
+                yield DONE
+                return
+            i = group.index[out.rid]
+            results[i].add(out)
+            chunk = render(i, out)
+            if chunk is not None:
+                chunks.append(chunk)
+        if chunks:
+            yield "".join(chunks)
+    last = tail() if tail is not None else None
+    if last is not None:
+        yield last
+    yield DONE
 
 
 def usage(results: list[SequenceResult], n: int, speculative: bool = False) -> dict[str, Any]:

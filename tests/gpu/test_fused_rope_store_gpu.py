@@ -10,7 +10,6 @@ draft model and Qwen3-MoE.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model, perturbed_copy
+from tests.helpers import make_tiny_model, perturbed_copy, shared_prefix_workload
 from tests.kernel_checks import Skip
 from tests.unit.test_qk_rope_store import CHECKS
 
@@ -53,17 +52,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(11)
-    system = [rng.randrange(3, 256) for _ in range(200)]
-    prompts = []
-    for i in range(16):
-        tail = [rng.randrange(3, 256) for _ in range(rng.randint(1, 150))]
-        prompts.append(system + tail if i % 2 else tail)
-    params = [
-        SamplingParams(temperature=0, max_tokens=rng.randint(4, 48), ignore_eos=True)
-        for _ in prompts
-    ]
-    return prompts, params
+    return shared_prefix_workload(11, 16, 200, 150, 48)
 
 
 def _greedy(path: Path, fused: bool, **options: object) -> list[list[int]]:

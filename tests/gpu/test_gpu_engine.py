@@ -7,7 +7,6 @@ identical greedy tokens.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model
+from tests.helpers import make_tiny_model, shared_prefix_workload
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,17 +30,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(3)
-    system = [rng.randrange(3, 256) for _ in range(300)]
-    prompts = []
-    for i in range(24):
-        tail = [rng.randrange(3, 256) for _ in range(rng.randint(1, 200))]
-        prompts.append(system + tail if i % 2 else tail)
-    params = [
-        SamplingParams(temperature=0, max_tokens=rng.randint(4, 64), ignore_eos=True)
-        for _ in prompts
-    ]
-    return prompts, params
+    return shared_prefix_workload(3, 24, 300, 200, 64)
 
 
 def _hf_greedy(path: Path, prompts: list[list[int]], n: int, dtype: torch.dtype) -> list[list[int]]:
