@@ -45,6 +45,8 @@ FLAG_HELP: dict[str, str] = {
     "cuda_graph_max_tokens": "prefill/mixed steps up to this many tokens replay CUDA graphs "
     "(default 2048; 0 runs them eagerly)",
     "tp_size": "tensor-parallel degree",
+    "disable_custom_all_reduce": "CUDA TP: all-reduce everything through NCCL (default: small "
+    "tensors through GPU peer memory, which sums the same)",
     "max_running_requests": "most requests decoded at once",
     "seed": "engine seed (requests without a seed draw theirs from it)",
     "disable_overlap_scheduling": "run CPU scheduling and device compute one after the other",

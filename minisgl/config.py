@@ -39,6 +39,8 @@ class EngineConfig:
     # CUDA: q/k norm, RoPE and the K/V store run as one kernel per layer (bit-identical).
     disable_fused_rope_store: bool = False
     tp_size: int = 1
+    # CUDA TP: small all-reduces (decode steps) through GPU peer memory instead of NCCL.
+    disable_custom_all_reduce: bool = False
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP. dist_init_addr is rank 0's host:port for the
     # rendezvous (default on one node: 127.0.0.1 and a free port).

@@ -235,7 +235,14 @@ def _stop_tp(holder: dict[str, Any], followers: Any) -> None:
     try:
         stopped = mirror is not None and mirror.stop()
     finally:
-        # Told to stop, the ranks leave within moments; otherwise (startup failed, or a call
-        # failed part-way) they may wait in the rendezvous or a collective: stop them now.
-        followers.shutdown(grace_s=10.0 if stopped else 0.0)
-        destroy_tp_group()
+        if stopped:
+            # Told to stop, the ranks leave the groups and exit. Leaving is collective in
+            # NCCL (each rank's teardown waits for the others'): leave with them, then wait
+            # for their exit. (Waiting first deadlocked on two GPUs.)
+            destroy_tp_group()
+            followers.shutdown(grace_s=10.0)
+        else:
+            # Startup failed, or a call failed part-way: the ranks may wait in the
+            # rendezvous or a collective. Stop them first.
+            followers.shutdown(grace_s=0.0)
+            destroy_tp_group()

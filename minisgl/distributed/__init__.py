@@ -23,7 +23,14 @@ class TPInfo:
 
 
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
+    """The sum of ``x`` over the TP ranks: through GPU peer memory when set up and ``x`` is
+    small (peer_all_reduce.py), else in place through the process group."""
     if tp.size > 1:
+        from minisgl.distributed import peer_all_reduce
+
+        peer = peer_all_reduce.active()
+        if peer is not None and peer.takes(x):
+            return peer(x)
         import torch.distributed as dist
 
         dist.all_reduce(x)

@@ -91,6 +91,10 @@ def init_tp_group(
         backend=backend, store=store, rank=tp.rank, world_size=tp.size, timeout=timeout
     )
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    if device.type == "cuda" and not config.disable_custom_all_reduce:
+        from minisgl.distributed import peer_all_reduce
+
+        peer_all_reduce.setup(device, (torch.bfloat16, torch.float32))
 
 
 def _wait_for_ranks(store: dist.TCPStore, others: int, check: Callable[[], None] | None) -> None:
@@ -112,6 +116,9 @@ def control_group() -> dist.ProcessGroup:
 def destroy_tp_group() -> None:
     """Leave the groups, so that this process can start another TP run later."""
     global _control
+    from minisgl.distributed import peer_all_reduce
+
     _control = None
+    peer_all_reduce.reset()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,17 @@ if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
+
+
+_live: weakref.WeakSet[CudaGraphRunner] = weakref.WeakSet()
+
+
+def release_all_graphs() -> None:
+    """Free every captured graph in this process (before leaving a TP group: tearing down
+    NCCL while graphs that captured its collectives still exist hangs; PyTorch issue
+    115388). The runners then run nothing."""
+    for runner in list(_live):
+        runner.release()
 
 
 def graph_token_sizes(max_tokens: int) -> list[int]:
@@ -67,12 +79,27 @@ class CudaGraphRunner:
         self.metadata: dict[int, object] = {}
         # Prefill/mixed graphs, by padded token count: row capacity, shape, graph, output.
         self.ext_rows = {t: min(t, self.max_bs) for t in self.token_sizes}
+        # A row holds at most context_length tokens (its page-table row is that wide): a
+        # graph is captured on as many full rows as its token count needs.
+        self.row_tokens = engine.context_length
+        self.token_sizes = [
+            t for t in self.token_sizes if -(-t // self.row_tokens) <= self.ext_rows[t]
+        ]
         self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.ext_outputs: dict[int, torch.Tensor] = {}
         self.ext_metadata: dict[int, object] = {}
         self.pool: Any = None  # the memory pool handle the graphs share
         self.replays = {"decode": 0, "extend": 0}  # for tests and logs
         self._capture_all()
+        _live.add(self)
+
+    def release(self) -> None:
+        for graph in [*self.graphs.values(), *self.ext_graphs.values()]:
+            graph.reset()
+        self.graphs.clear()
+        self.ext_graphs.clear()
+        self.max_bs, self.token_sizes = 0, []  # can_run and can_run_extend: never
+        torch.cuda.synchronize(self.engine.device)
 
     def _dummy_layout(self, bs: int) -> BatchLayout:
         return BatchLayout(
@@ -146,9 +173,15 @@ class CudaGraphRunner:
         return self.engine.attn_backend.extend_graph_shape(tokens, self.ext_rows[tokens])  # type: ignore[attr-defined]
 
     def _capture_extend(self, tokens: int, stream: torch.cuda.Stream) -> None:
-        # Captured on one row of ``tokens`` new tokens in the scratch row: the padded shape,
-        # not the layout, fixes every launch.
-        layout = BatchLayout([self.dummy_row], [0], [tokens], self.engine.page_table)
+        # Captured on the scratch row, ``tokens`` new tokens in rows of at most a context
+        # (a longer row would read past its page-table row): the padded shape, not the
+        # layout, fixes every launch.
+        lens = [self.row_tokens] * (tokens // self.row_tokens)
+        if tokens % self.row_tokens:
+            lens.append(tokens % self.row_tokens)
+        layout = BatchLayout(
+            [self.dummy_row] * len(lens), [0] * len(lens), lens, self.engine.page_table
+        )
         backend: Any = self.engine.attn_backend
         md = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(tokens))
         batch = self._batch(tokens, md, self.ext_logits_index[: self.ext_rows[tokens]])

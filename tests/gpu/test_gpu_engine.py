@@ -73,6 +73,8 @@ def test_matches_hf_on_gpu_fp32(tiny: Path) -> None:
         dict(attention_backend="triton", chunked_prefill_size=96),
         dict(attention_backend="triton", chunked_prefill_size=96, cuda_graph_max_tokens=0),
         dict(attention_backend="triton", chunked_prefill_size=300, page_size=16),
+        # Prefill graphs of up to 2,048 tokens over rows of at most 1,024 (capture split).
+        dict(attention_backend="triton", context_length=1024),
     ],
     ids=[
         "torch-eager-sync",
@@ -85,6 +87,7 @@ def test_matches_hf_on_gpu_fp32(tiny: Path) -> None:
         "mixed-graphs",
         "mixed-eager",
         "mixed-graphs-page16",
+        "short-context-graphs",
     ],
 )
 def test_switches_do_not_change_greedy_fp32(tiny: Path, options: dict) -> None:

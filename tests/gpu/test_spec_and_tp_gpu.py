@@ -47,7 +47,8 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 def _greedy(path: Path, **options: object) -> list[list[int]]:
     prompts, params = _workload()
-    llm = LLM(str(path), dtype="float32", **options)  # type: ignore[arg-type]
+    options.setdefault("dtype", "float32")
+    llm = LLM(str(path), **options)  # type: ignore[arg-type]
     out = [r["token_ids"] for r in llm.generate(prompts, params)]
     assert_engine_clean(llm)
     return out
@@ -76,3 +77,11 @@ def test_speculation_keeps_greedy_outputs_on_gpu(
 def test_tp2_equals_tp1_with_graphs_and_overlap(models: dict[str, Path]) -> None:
     ref = _greedy(models["target"])
     assert _greedy(models["target"], tp_size=2) == ref
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path]) -> None:
+    """bf16 (the CUDA default): decode all-reduces through GPU peer memory give the same
+    tokens as NCCL for everything (two ranks sum a + b either way)."""
+    nccl = _greedy(models["target"], tp_size=2, dtype="bfloat16", disable_custom_all_reduce=True)
+    assert _greedy(models["target"], tp_size=2, dtype="bfloat16") == nccl
