@@ -61,25 +61,37 @@ class PeerAllReduce:
 
 
 _active: PeerAllReduce | None = None
+# PyTorch keeps symmetric-memory state per group name, and a process's next TP run gets
+# the same name for a new group: its rendezvous then waits on the old group and hangs
+# (seen on two H200s). So one TP run per process uses it; a later one keeps NCCL.
+_used_in_process = False
+
+
+def _all_agree(flag: bool, device: torch.device) -> bool:
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item()) == 1
 
 
 def setup(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Every rank calls it once after joining the group (collective), on CUDA only; on any
-    failure (no peer access, an old PyTorch) all ranks keep NCCL."""
-    global _active
-    import torch.distributed as dist
-
-    ok = True
+    """Every rank calls it once after joining the group (collective), on CUDA only; unless
+    every rank can (first TP run in its process, peer access, a recent PyTorch), all ranks
+    keep NCCL: a rank in the other kernel would wait for its peer forever."""
+    global _active, _used_in_process
+    _active = None
+    if not _all_agree(not _used_in_process, device):
+        logger.info("a TP run in this process used peer memory before: all-reduce via NCCL")
+        return
+    _used_in_process = True
+    comm: PeerAllReduce | None = None
     try:
         comm = PeerAllReduce(device, dtypes)
     except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
         logger.warning("peer-memory all-reduce unavailable (%s); using NCCL", e)
-        ok = False
-    # The ranks must agree, or one would wait in NCCL for a peer in the other kernel.
-    flag = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    _active = comm if ok and int(flag.item()) == 1 else None
-    if _active is not None:
+    if _all_agree(comm is not None, device):
+        _active = comm
         logger.info("all-reduce of up to %d bytes through GPU peer memory", MAX_BYTES)
 
 

@@ -8,7 +8,11 @@ overlap on.
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,9 +83,37 @@ def test_tp2_equals_tp1_with_graphs_and_overlap(models: dict[str, Path]) -> None
     assert _greedy(models["target"], tp_size=2) == ref
 
 
+_PEER_RUN = """
+import json, sys
+from minisgl import LLM
+from minisgl.distributed import peer_all_reduce
+from tests.gpu.test_spec_and_tp_gpu import _workload
+prompts, params = _workload()
+llm = LLM(sys.argv[1], tp_size=2, dtype="bfloat16")
+used = peer_all_reduce.active() is not None
+out = [r["token_ids"] for r in llm.generate(prompts, params)]
+llm.close()
+print(json.dumps({"peer": used, "out": out}))
+"""
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path]) -> None:
     """bf16 (the CUDA default): decode all-reduces through GPU peer memory give the same
-    tokens as NCCL for everything (two ranks sum a + b either way)."""
+    tokens as NCCL for everything (two ranks sum a + b either way). The peer run is a fresh
+    process: only a process's first TP run uses peer memory (peer_all_reduce.py)."""
     nccl = _greedy(models["target"], tp_size=2, dtype="bfloat16", disable_custom_all_reduce=True)
-    assert _greedy(models["target"], tp_size=2, dtype="bfloat16") == nccl
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEER_RUN, str(models["target"])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["peer"], "the fresh process did not take the peer-memory path"
+    assert result["out"] == nccl
