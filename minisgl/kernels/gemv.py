@@ -29,28 +29,45 @@ MAX_ROWS = 4
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
+    # roundings of a GEMV into [gate, up] followed by kernels/activation.py (bit-equal).
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < rows
     n_mask = offs_n < n_cols
+    dtype = out_ptr.dtype.element_ty
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_rows + n_cols * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_dim
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
         x_off = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
-        x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if GATED:
+            w_up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
+            acc_up += x[:, None, :] * w_up.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        up = tl.sum(acc_up, axis=2)
+        if HAS_BIAS:
+            up += tl.load(b_ptr + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        gate = y.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        y = act * up.to(dtype).to(tl.float32)
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
 Tiles = GemvTiles
@@ -96,11 +113,14 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
+    ``gated``: weight is [gate; up] (N = 2I) and the result is silu(gate) * up, [M, I]."""
     rows, k_dim = x.shape
-    n_cols = weight.shape[0]
+    n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
+    assert not gated or weight.shape[0] % 2 == 0
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
@@ -110,7 +130,7 @@ def gemv(
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -40,6 +40,9 @@ def _onednn_available() -> bool:
 _OFF = ("0", "false", "no", "off")
 ONEDNN = _onednn_available() and os.environ.get("MINISGL_CPU_ONEDNN", "1").lower() not in _OFF
 TRITON_GEMV = os.environ.get("MINISGL_TRITON_GEMV", "1").lower() not in _OFF
+# Batch 1: the MLP's SiLU-and-mul in the gate/up GEMV's epilogue (bit-equal, one kernel
+# less per layer). Off until measured on the H200 (benchmark/RESULTS.md).
+FUSED_GATE_UP = os.environ.get("MINISGL_FUSED_GATE_UP", "0").lower() not in _OFF
 _gemv: Any = None  # kernels.gemv.gemv, imported by pack_model (CPU installs never import triton)
 
 
@@ -93,11 +96,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def pack_model(model: nn.Module, gemv: bool = TRITON_GEMV) -> None:
+def gated_gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles
+) -> torch.Tensor:
+    """silu(x gate^T) * (x up^T) for one row, weight = [gate; up] (see kernels/gemv.py)."""
+    return _gemv(x, weight, bias, tiles, gated=True)  # type: ignore[no-any-return]
+
+
+def pack_model(
+    model: nn.Module, gemv: bool = TRITON_GEMV, fused_gate_up: bool = FUSED_GATE_UP
+) -> None:
     """Prepare every layer that computes through `linear` (after loading): CPU weights
-    reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins."""
+    reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins; gated
+    MLPs (``fuse_silu``) told to fuse SiLU into the gate/up GEMV."""
     global _gemv
     for module in model.modules():
+        if hasattr(type(module), "fuse_silu"):
+            setattr(module, "fuse_silu", gemv and fused_gate_up)  # noqa: B010
         weight = getattr(module, "weight", None)
         if hasattr(type(module), "cpu_packed") and isinstance(weight, torch.Tensor):
             setattr(module, "cpu_packed", pack(weight))  # noqa: B010 (not a registered buffer)

@@ -11,8 +11,9 @@ from torch import nn
 
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
-from minisgl.layers.activation import ACTIVATIONS
+from minisgl.layers.activation import ACTIVATIONS, silu_and_mul
 from minisgl.layers.attention import SelfAttention
+from minisgl.layers.cpu_linear import gated_gemv
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
@@ -21,6 +22,8 @@ from minisgl.models.config import ModelConfig
 
 
 class GatedMLP(nn.Module):
+    fuse_silu = False  # batch 1 on CUDA: SiLU in the gate/up GEMV (set by pack_model)
+
     def __init__(self, cfg: ModelConfig, intermediate: int, tp: TPInfo) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
@@ -30,7 +33,12 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        tiles = gate_up.gemv_tiles
+        if self.fuse_silu and tiles is not None and x.shape[0] == 1 and self.act is silu_and_mul:
+            # The same tiles as the unfused GEMV: bit-equal to it, one kernel less.
+            return self.down_proj(gated_gemv(x, gate_up.weight, gate_up.bias, tiles))
+        return self.down_proj(self.act(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
