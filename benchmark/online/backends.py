@@ -91,16 +91,25 @@ def _has_output(backend: str, event: dict[str, Any], state: dict[str, int]) -> b
     return bool(choices[0].get("text"))
 
 
+_JSON = {"Content-Type": "application/json"}
+
+
+def encode_payload(ep: Endpoint, req: BenchRequest) -> bytes:
+    return json.dumps(build_payload(ep, req)).encode()
+
+
 async def send_request(
-    session: aiohttp.ClientSession, ep: Endpoint, req: BenchRequest
+    session: aiohttp.ClientSession, ep: Endpoint, req: BenchRequest, body: bytes | None = None
 ) -> RequestRecord:
+    """One streamed request. ``body``: its JSON, encoded beforehand (see runner.send_all)."""
     record = RequestRecord(expected_output_tokens=req.output_len)
-    payload = build_payload(ep, req)
+    if body is None:
+        body = encode_payload(ep, req)
     state: dict[str, int] = {}
     usage_seen = done = False
     record.start = time.perf_counter()
     try:
-        async with session.post(ep.url, json=payload) as resp:
+        async with session.post(ep.url, data=body, headers=_JSON) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {(await resp.text())[:500]}"
                 record.end = time.perf_counter()

@@ -43,6 +43,10 @@ class Draining(ServiceUnavailable):
     """The server is shutting down gracefully: running requests finish, new ones are refused."""
 
 
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was complete."""
+
+
 @dataclass
 class SequenceResult:
     """Everything one sequence (choice) produced, accumulated from its outputs."""
@@ -93,7 +97,9 @@ class RequestGroup:
         self.frontend = frontend
         self.rids = rids
         self.index = {rid: i for i, rid in enumerate(rids)}
-        self.queue: asyncio.Queue[TextOutput] = asyncio.Queue()
+        # None on the queue: the client disconnected (client_gone), whoever is waiting stops.
+        self.queue: asyncio.Queue[TextOutput | None] = asyncio.Queue()
+        self.gone = False
         self.unfinished = set(rids)
         self.arrival = time.perf_counter()
         self.last_token_at: dict[int, float] = {}  # per sequence, for inter-token latency
@@ -101,8 +107,20 @@ class RequestGroup:
         self.closed = False
 
     async def first(self) -> TextOutput:
-        """The first output of any sequence (an error here means nothing was queued)."""
-        return await self.queue.get()
+        """The first output of any sequence (an error here means nothing was queued).
+        Awaited by the request's own task: the output wakes it directly, one event-loop
+        pass after it is routed (under a burst of arriving requests every extra hop through
+        another task waits a whole pass of request handlers)."""
+        out = await self.queue.get()
+        if out is None:
+            raise ClientGone()
+        return out
+
+    def client_gone(self) -> None:
+        """The client disconnected: wake whoever waits for outputs, so that it stops."""
+        if not self.gone:
+            self.gone = True
+            self.queue.put_nowait(None)
 
     async def outputs(self, first: TextOutput | None = None) -> AsyncIterator[TextOutput]:
         """Outputs in arrival order until every sequence has finished."""
@@ -117,16 +135,19 @@ class RequestGroup:
         pending = [first] if first is not None else []
         done: set[int] = set()
         while len(done) < len(self.rids):
-            out = pending.pop() if pending else await self.queue.get()
-            batch = [out]
-            while True:
-                if out.finished:
-                    done.add(out.rid)
+            got = pending.pop() if pending else await self.queue.get()
+            batch: list[TextOutput] = []
+            while got is not None:
+                batch.append(got)
+                if got.finished:
+                    done.add(got.rid)
                 if len(done) == len(self.rids) or self.queue.empty():
                     break
-                out = self.queue.get_nowait()
-                batch.append(out)
-            yield batch
+                got = self.queue.get_nowait()
+            if batch:
+                yield batch
+            if got is None:  # the client is gone
+                return
 
     def close(self) -> None:
         """Forget the group; abort sequences that have not finished (client went away)."""

@@ -11,10 +11,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,10 +21,8 @@ from starlette.types import Receive, Scope, Send
 
 from minisgl.ipc.messages import TextOutput
 from minisgl.server.errors import APIError, sse_error
-from minisgl.server.frontend import RequestGroup, SequenceResult
+from minisgl.server.frontend import ClientGone, RequestGroup, SequenceResult
 from minisgl.speculative.report import spec_report
-
-T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; the client never sees it
@@ -40,12 +37,15 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {_encode_json(payload)}\n\n"
 
 
-class ClientGone(Exception):
-    pass
-
-
 class SSEResponse(StreamingResponse):
-    """A streaming response that always runs ``on_close`` when it ends, however it ends."""
+    """A streaming response written by the request's own task, that always runs
+    ``on_close`` when it ends, however it ends.
+
+    Starlette's StreamingResponse (ASGI spec < 2.4, as uvicorn declares) starts a task for
+    the body and another for the disconnect: the first chunk then waits for that task's
+    first turn, behind every handler of a burst of arriving requests. Here the first chunk
+    goes out in the same turn that the first output woke the request; the group's
+    disconnect watcher (see respond) ends the body instead."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(
@@ -57,34 +57,20 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await self.stream_response(send)
+        except OSError:
+            pass  # ASGI 2.4 servers report a gone client this way; nothing left to send to
         finally:
             self.on_close()
 
 
-async def _disconnected(request: Request) -> None:
+async def _watch_disconnect(request: Request, group: RequestGroup) -> None:
     # The body was already read, so the next ASGI message is the disconnect.
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
+            group.client_gone()
             return
-
-
-async def wait_or_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """The awaitable's result, or ClientGone if the client disconnects first."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work  # let it unwind before the caller cleans up
-    if work.cancelled():
-        raise ClientGone()
-    return work.result()
 
 
 async def collect(group: RequestGroup, first: TextOutput) -> list[SequenceResult]:
@@ -101,15 +87,24 @@ FullFn = Callable[[list[SequenceResult]], dict[str, Any]]
 async def respond(
     request: Request, group: RequestGroup, stream: bool, make_stream: StreamFn, make_full: FullFn
 ) -> Response:
+    # One watcher for the whole response: a disconnect wakes whatever waits on the group.
+    watcher = asyncio.ensure_future(_watch_disconnect(request, group))
+
+    def finish() -> None:
+        watcher.cancel()
+        group.close()
+
     handed_over = False
     try:
-        first = await wait_or_disconnect(request, group.first())
+        first = await group.first()
         if first.error is not None:
             raise APIError(first.error_status or 500, first.error)
         if stream:
             handed_over = True  # from here on the response closes the group
-            return SSEResponse(make_stream(group, first), on_close=group.close)
-        results = await wait_or_disconnect(request, collect(group, first))
+            return SSEResponse(make_stream(group, first), on_close=finish)
+        results = await collect(group, first)
+        if group.gone:
+            raise ClientGone()
         failed = next((r for r in results if r.error is not None), None)
         if failed is not None:
             raise APIError(failed.error_status or 500, failed.error or "request failed")
@@ -118,7 +113,7 @@ async def respond(
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         if not handed_over:
-            group.close()
+            finish()
 
 
 def open_choices(results: list[SequenceResult]) -> list[int]:

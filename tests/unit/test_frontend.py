@@ -28,7 +28,7 @@ from minisgl.ipc.messages import (
     message,
 )
 from minisgl.scheduler.scheduler import IN_BATCH_PREFIX_MIN, _shares_prefix
-from minisgl.server.frontend import Frontend, RequestGroup
+from minisgl.server.frontend import ClientGone, Frontend, RequestGroup
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.protocol import MAX_TOKEN_ID, CompletionRequest
 
@@ -142,6 +142,36 @@ def test_outputs_come_in_batches_of_what_is_queued() -> None:
         return batches
 
     assert asyncio.run(run()) == [["first", "a", "b", "c"], ["d"]]
+
+
+def test_a_gone_client_wakes_the_waiters() -> None:
+    """client_gone (the disconnect watcher) ends a wait for the first output with ClientGone
+    and ends a stream of batches after what was already queued."""
+
+    async def run() -> list[list[str]]:
+        waiting = RequestGroup(None, [1])  # type: ignore[arg-type]
+        first = asyncio.ensure_future(waiting.first())
+        await asyncio.sleep(0)
+        waiting.client_gone()
+        with pytest.raises(ClientGone):
+            await first
+        streaming = RequestGroup(None, [1])  # type: ignore[arg-type]
+        streaming.queue.put_nowait(_out(1, "b"))
+        batches: list[list[str]] = []
+
+        async def leave() -> None:
+            await asyncio.sleep(0.01)
+            streaming.client_gone()
+            streaming.client_gone()  # once is enough: no second wake-up queued
+
+        task = asyncio.ensure_future(leave())
+        async for batch in streaming.batches(_out(1, "a")):
+            batches.append([o.text for o in batch])
+        await task
+        assert streaming.gone and streaming.queue.empty()
+        return batches
+
+    assert asyncio.run(run()) == [["a", "b"]]
 
 
 # ---------------------------------------------------------------- routing during a burst
