@@ -221,6 +221,10 @@ class Engine:
             # switch never changes outputs (on CPU they fall back to torch).
             fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
             return TritonBackend(self.pool, stager=self.stager, fused_kv_store=fused)
+        if name == "flashinfer":
+            from minisgl.attention.flashinfer_backend import FlashInferBackend
+
+            return FlashInferBackend(self.pool, self.device)
         raise ValueError(f"attention_backend={name!r} is not available")
 
     @torch.inference_mode()

@@ -1,0 +1,39 @@
+"""The FlashInfer backend's batch description (runs without flashinfer): the paged-KV
+indices gathered on the device equal a row-by-row walk of the page table; asking for the
+backend without the package (or off CUDA) is a clear error. The kernels themselves are
+checked on the GPU (tests/gpu/test_flashinfer_gpu.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl import LLM
+from minisgl.attention.base import BatchLayout
+from minisgl.attention.flashinfer_backend import paged_indices
+
+
+def test_paged_indices_walk_the_page_table() -> None:
+    g = torch.Generator().manual_seed(3)
+    table = torch.randint(0, 10_000, (6, 40), generator=g)
+    rows, prefix, ext = [4, 0, 2, 5], [7, 0, 30, 3], [1, 12, 1, 5]
+    p = paged_indices(BatchLayout(rows, prefix, ext, table), torch.device("cpu"))
+    seq = [a + b for a, b in zip(prefix, ext)]
+    assert p.qo_indptr.tolist() == [0, 1, 13, 14, 19]
+    assert p.kv_indptr.tolist() == [0, 8, 20, 51, 59]
+    want = [int(s) for r, n in zip(rows, seq) for s in table[r, :n]]
+    assert p.kv_indices.tolist() == want and p.kv_indices.dtype == torch.int32
+    assert p.last_page_len.tolist() == [1, 1, 1, 1]
+    for t in (p.qo_indptr, p.kv_indptr, p.last_page_len):
+        assert t.dtype == torch.int32 and t.device.type == "cpu"  # planned on the host
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="flashinfer is installed"
+)
+def test_flashinfer_without_the_package_is_a_clear_error(tiny_models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="pip install flashinfer-python"):
+        LLM(str(tiny_models["qwen3"]), attention_backend="flashinfer")
