@@ -44,7 +44,10 @@ def paged_indices(layout: BatchLayout, device: torch.device) -> PagedIndices:
     rows = torch.tensor(layout.req_rows, dtype=torch.long).to(device, non_blocking=True)
     starts = kv[:-1].to(torch.long).to(device, non_blocking=True)
     # Key j of the batch belongs to row r = row_of[j], at position j - starts[r] of it.
-    row_of = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
+    # output_size: with the lengths on the device, repeat_interleave would read them back.
+    row_of = torch.repeat_interleave(
+        torch.arange(len(seq_lens), device=device), lens, output_size=total
+    )
     pos = torch.arange(total, device=device) - starts[row_of]
     indices = layout.page_table[rows[row_of], pos].to(torch.int32)
     ones = torch.ones(len(seq_lens), dtype=torch.int32)
@@ -77,7 +80,11 @@ class FlashInferBackend(AttentionBackend):
             )
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        # FA2 kernels: FlashInfer JIT-compiles on first use, and these build in far less
+        # time than its Hopper (FA3) ones.
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", backend="fa2"
+        )
 
     def prepare(self, layout: BatchLayout, device: torch.device) -> FlashInferMetadata:
         return FlashInferMetadata(paged_indices(layout, device), layout.is_decode)
