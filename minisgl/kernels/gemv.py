@@ -92,12 +92,13 @@ def gemv_tiles(rows: int) -> Tiles:
     return block_m, 16 // block_m if block_m < 16 else 1, 512, 4, 3
 
 
-def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
+def gemv_choice(rows: int, n_cols: int, k_dim: int, any_size: bool = False) -> Tiles | None:
     """The tiles for this product, or None where cuBLAS is faster: the best tiles of the
-    H200 sweep per shape, as a rule (a MINISGL_GEMV_TABLE entry overrides it)."""
+    H200 sweep per shape, as a rule (a MINISGL_GEMV_TABLE entry overrides it).
+    ``any_size``: tiles even for the widest weights (the gated GEMV has no cuBLAS twin)."""
     if (rows, n_cols, k_dim) in TABLE:
         return TABLE[rows, n_cols, k_dim]
-    if rows != 1 or n_cols * k_dim > 64 * 2**20:
+    if rows != 1 or (n_cols * k_dim > 64 * 2**20 and not any_size):
         return None
     if n_cols <= 1024:
         return 1, 4, 2048, 4, 4  # few column blocks: each program streams a long K

@@ -108,11 +108,9 @@ def pack_model(
 ) -> None:
     """Prepare every layer that computes through `linear` (after loading): CPU weights
     reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins; gated
-    MLPs (``fuse_silu``) told to fuse SiLU into the gate/up GEMV."""
+    MLPs (``fused_tiles``) given tiles for a gate/up GEMV with SiLU fused in."""
     global _gemv
     for module in model.modules():
-        if hasattr(type(module), "fuse_silu"):
-            setattr(module, "fuse_silu", gemv and fused_gate_up)  # noqa: B010
         weight = getattr(module, "weight", None)
         if hasattr(type(module), "cpu_packed") and isinstance(weight, torch.Tensor):
             setattr(module, "cpu_packed", pack(weight))  # noqa: B010 (not a registered buffer)
@@ -123,3 +121,24 @@ def pack_model(
                 _gemv = gemv_kernels.gemv
                 tiles = gemv_kernels.gemv_choice(1, weight.shape[0], weight.shape[1])
             setattr(module, "gemv_tiles", tiles)  # noqa: B010
+    for module in model.modules():
+        if hasattr(type(module), "fused_tiles"):
+            fused = _fused_tiles(module) if gemv and fused_gate_up else None
+            setattr(module, "fused_tiles", fused)  # noqa: B010
+
+
+def _fused_tiles(mlp: nn.Module) -> GemvTiles | None:
+    """The gated GEMV's tiles: the unfused GEMV's where it has them (then the two are
+    bit-equal), else the tile rule's for one half, where cuBLAS ran the unfused product."""
+    from minisgl.layers.activation import silu_and_mul
+
+    layer: Any = getattr(mlp, "gate_up_proj")  # noqa: B009
+    weight = layer.weight
+    if getattr(mlp, "act", None) is not silu_and_mul or not weight.is_cuda:
+        return None
+    if weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from minisgl.kernels import gemv as gemv_kernels
+
+    tiles: GemvTiles | None = layer.gemv_tiles
+    return tiles or gemv_kernels.gemv_choice(1, weight.shape[0] // 2, weight.shape[1], True)

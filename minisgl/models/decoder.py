@@ -11,7 +11,8 @@ from torch import nn
 
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
-from minisgl.layers.activation import ACTIVATIONS, silu_and_mul
+from minisgl.kernels import GemvTiles
+from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.attention import SelfAttention
 from minisgl.layers.cpu_linear import gated_gemv
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,7 +23,9 @@ from minisgl.models.config import ModelConfig
 
 
 class GatedMLP(nn.Module):
-    fuse_silu = False  # batch 1 on CUDA: SiLU in the gate/up GEMV (set by pack_model)
+    # Batch 1 on CUDA with MINISGL_FUSED_GATE_UP=1: tiles of the gate/up GEMV with SiLU
+    # fused in (set by pack_model; None: the GEMV, or cuBLAS, then the SiLU kernel).
+    fused_tiles: GemvTiles | None = None
 
     def __init__(self, cfg: ModelConfig, intermediate: int, tp: TPInfo) -> None:
         super().__init__()
@@ -34,10 +37,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        tiles = gate_up.gemv_tiles
-        if self.fuse_silu and tiles is not None and x.shape[0] == 1 and self.act is silu_and_mul:
-            # The same tiles as the unfused GEMV: bit-equal to it, one kernel less.
-            return self.down_proj(gated_gemv(x, gate_up.weight, gate_up.bias, tiles))
+        if self.fused_tiles is not None and x.shape[0] == 1:
+            h = gated_gemv(x, gate_up.weight, gate_up.bias, self.fused_tiles)
+            return self.down_proj(h)
         return self.down_proj(self.act(gate_up(x)))
 
 

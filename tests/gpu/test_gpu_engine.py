@@ -188,6 +188,7 @@ def test_fused_gate_up_keeps_greedy_tokens(tiny: Path, monkeypatch: pytest.Monke
     prompts = [[5, 6, 7], list(range(10, 90))]
     ref = [llm.generate([p], params)[0]["token_ids"] for p in prompts]
     pack_model(llm.engine.model, fused_gate_up=True)
+    assert all(m.fused_tiles == m.gate_up_proj.gemv_tiles for m in mlps)  # the bit-equal case
     calls = 0
     fused = decoder.gated_gemv
 
