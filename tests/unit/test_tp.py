@@ -377,3 +377,67 @@ def _assert_exits(pid: int, timeout: float = 15.0) -> None:
 def _alive(proc: Any) -> None:
     if proc.exitcode is not None:
         raise RuntimeError(f"rank 1 exited with code {proc.exitcode}")
+
+
+def _peer_setup_follower(config: EngineConfig, out: Any) -> None:
+    import torch
+
+    from minisgl.distributed import TPInfo, peer_all_reduce
+    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+
+    init_tp_group(config, TPInfo(1, 2), torch.device("cpu"))
+    seen: list[object] = []
+    for _ in range(2):
+        peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
+        seen.append(peer_all_reduce.active() is not None)
+        seen.append(_marker_sum(1))
+    out.put(seen)
+    destroy_tp_group()
+
+
+def _marker_sum(rank: int) -> int:
+    """A collective after setup: had the ranks' setups taken different collectives, this
+    one would pair with a setup's and give another sum (or hang)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([10 * rank + 7])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def test_peer_all_reduce_setup_is_agreed_by_every_rank() -> None:
+    """The ranks take the peer-memory all-reduce together or not at all (one rank in the
+    other kernel would wait for ever): rank 0 having used it before in its process (rank 1
+    is fresh), then a buffer that cannot be made (CPU): both times every rank keeps the
+    process group's all-reduce, and nobody hangs."""
+    import multiprocessing as mp
+
+    import torch
+
+    from minisgl.distributed import TPInfo, peer_all_reduce
+    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+
+    config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_peer_setup_follower, args=(config, out), daemon=True)
+    proc.start()
+    try:
+        init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
+        peer_all_reduce._used_in_process = True  # a TP run of this process used it
+        peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
+        assert peer_all_reduce.active() is None
+        assert _marker_sum(0) == 24
+        peer_all_reduce._used_in_process = False
+        peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
+        assert peer_all_reduce.active() is None  # no symmetric memory on the CPU
+        assert _marker_sum(0) == 24
+        assert out.get(timeout=120) == [False, 24, False, 24]
+        proc.join(30)
+        assert proc.exitcode == 0
+    finally:
+        peer_all_reduce._used_in_process = False
+        destroy_tp_group()
+        if proc.is_alive():
+            proc.kill()
