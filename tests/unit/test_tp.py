@@ -254,10 +254,12 @@ def _server_follower(config: EngineConfig, out: Any) -> None:
 
 
 @contextlib.contextmanager
-def _rank0_with_follower(follower: Any) -> Iterator[tuple[Any, Any, Any, EngineConfig]]:
+def _rank0_with_follower(
+    follower: Any, rank_sync: bool = True
+) -> Iterator[tuple[Any, Any, Any, EngineConfig]]:
     """Rank 0 of a two-rank gloo group in this process, ``follower(config, out)`` as rank 1
-    in a spawned one; yields rank 0's RankSync, rank 1's result queue and process, and the
-    config both ranks were started with."""
+    in a spawned one; yields rank 0's RankSync (None without ``rank_sync``), rank 1's result
+    queue and process, and the config both ranks were started with."""
     import multiprocessing as mp
 
     import torch
@@ -273,7 +275,7 @@ def _rank0_with_follower(follower: Any) -> Iterator[tuple[Any, Any, Any, EngineC
     proc.start()
     try:
         init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
-        yield RankSync(TPInfo(0, 2)), out, proc, config
+        yield RankSync(TPInfo(0, 2)) if rank_sync else None, out, proc, config
     finally:
         destroy_tp_group()
         if proc.is_alive():
@@ -411,33 +413,22 @@ def test_peer_all_reduce_setup_is_agreed_by_every_rank() -> None:
     other kernel would wait for ever): rank 0 having used it before in its process (rank 1
     is fresh), then a buffer that cannot be made (CPU): both times every rank keeps the
     process group's all-reduce, and nobody hangs."""
-    import multiprocessing as mp
-
     import torch
 
-    from minisgl.distributed import TPInfo, peer_all_reduce
-    from minisgl.distributed.group import destroy_tp_group, init_tp_group
+    from minisgl.distributed import peer_all_reduce
 
-    config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_peer_setup_follower, args=(config, out), daemon=True)
-    proc.start()
-    try:
-        init_tp_group(config, TPInfo(0, 2), torch.device("cpu"), check=lambda: _alive(proc))
-        peer_all_reduce._used_in_process = True  # a TP run of this process used it
-        peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
-        assert peer_all_reduce.active() is None
-        assert _marker_sum(0) == 24
-        peer_all_reduce._used_in_process = False
-        peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
-        assert peer_all_reduce.active() is None  # no symmetric memory on the CPU
-        assert _marker_sum(0) == 24
-        assert out.get(timeout=120) == [False, 24, False, 24]
-        proc.join(30)
-        assert proc.exitcode == 0
-    finally:
-        peer_all_reduce._used_in_process = False
-        destroy_tp_group()
-        if proc.is_alive():
-            proc.kill()
+    with _rank0_with_follower(_peer_setup_follower, rank_sync=False) as (_, out, proc, _cfg):
+        try:
+            peer_all_reduce._used_in_process = True  # a TP run of this process used it
+            peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
+            assert peer_all_reduce.active() is None
+            assert _marker_sum(0) == 24
+            peer_all_reduce._used_in_process = False
+            peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
+            assert peer_all_reduce.active() is None  # no symmetric memory on the CPU
+            assert _marker_sum(0) == 24
+            assert out.get(timeout=120) == [False, 24, False, 24]
+            proc.join(30)
+            assert proc.exitcode == 0
+        finally:
+            peer_all_reduce._used_in_process = False
