@@ -76,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a("--sweep-rates", default=None, help="comma-separated rates, one run each (e.g. 1,2,4)")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
     a("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    a("--client-processes", type=int, default=1,
+      help="send from this many processes (one event loop each), for bursts of hundreds of "
+           "streams that one client loop cannot read in time")  # fmt: skip
     a("--temperature", type=float, default=0.0)
     a("--no-ignore-eos", dest="ignore_eos", action="store_false",
       help="let requests stop at EOS (lengths no longer fixed)")  # fmt: skip
@@ -89,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.dataset == "trace" and not args.trace_file:
         ap.error("--dataset trace needs --trace-file")
+    if args.client_processes > 1 and args.max_concurrency:
+        ap.error("--max-concurrency needs one client process")
     if args.dataset == "trace" and args.sweep_rates:
         ap.error("trace requests keep their own arrival times; use --trace-time-scale")
     return args
@@ -153,7 +158,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         for rate in rates:
             run = await runner.run_rate(
                 session, ep, requests, rate, args.max_concurrency, args.seed, args.burstiness,
-                args.flush_cache,
+                args.flush_cache, args.client_processes,
             )  # fmt: skip
             _print_run(run)
             runs.append(run)

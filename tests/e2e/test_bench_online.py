@@ -60,6 +60,21 @@ def test_random_completions_agree_with_server_metrics(
     wait_idle_and_check(tiny_server)
 
 
+def test_client_processes_share_one_schedule(tiny_server: ServerHandle, tmp_path: Path) -> None:
+    """--client-processes 2: the requests are sent by two client processes on one clock;
+    every record comes back in order and the totals still agree with the server's."""
+    from benchmark.online.bench_serving import build_requests, parse_args
+
+    args = ["--num-prompts", "12", "--random-input-len", "16:32", "--random-output-len", "6:9"]
+    result = run_bench(tiny_server, tmp_path / "two.json", *args, "--client-processes", "2")
+    [run] = result["runs"]
+    check_agreement(run, 12)
+    # Request i's record is request i's: the prompt lengths the server reported, in order.
+    sent = build_requests(parse_args([*TINY, *args]))
+    assert [r["prompt_tokens"] for r in run["requests"]] == [q.prompt_len for q in sent]
+    wait_idle_and_check(tiny_server)
+
+
 def test_trace_replay_through_generate_reuses_prefixes(
     tiny_server: ServerHandle, tmp_path: Path
 ) -> None:
