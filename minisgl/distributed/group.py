@@ -121,8 +121,8 @@ def destroy_tp_group() -> None:
     _control = None
     peer_all_reduce.reset()
     if torch.cuda.is_available():
-        from minisgl.engine.cuda_graph import release_all_graphs
+        from minisgl.engine.cuda_graph import release_tp_graphs
 
-        release_all_graphs()
+        release_tp_graphs()
     if dist.is_initialized():
         dist.destroy_process_group()

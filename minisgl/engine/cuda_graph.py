@@ -35,12 +35,14 @@ logger = logging.getLogger(__name__)
 _live: weakref.WeakSet[CudaGraphRunner] = weakref.WeakSet()
 
 
-def release_all_graphs() -> None:
-    """Free every captured graph in this process (before leaving a TP group: tearing down
-    NCCL while graphs that captured its collectives still exist hangs; PyTorch issue
-    115388). The runners then run nothing."""
+def release_tp_graphs() -> None:
+    """Free the captured graphs of this process's tensor-parallel engines (before leaving
+    their group: tearing down NCCL while graphs that captured its collectives still exist
+    hangs; PyTorch issue 115388). Those runners then run nothing; a TP=1 engine alive in
+    the same process keeps its graphs."""
     for runner in list(_live):
-        runner.release()
+        if runner.engine.tp.size > 1:
+            runner.release()
 
 
 def graph_token_sizes(max_tokens: int) -> list[int]:
