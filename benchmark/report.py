@@ -1,10 +1,30 @@
-"""What every benchmark script does with its result: print it and append it as a JSON line."""
+"""What the benchmark scripts share: ``--engine-arg`` options for LLM(...), and printing a
+result as a JSON line (appended to a file if asked)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 from typing import Any
+
+
+def add_engine_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)"
+    )
+
+
+def engine_options(pairs: list[str], **defaults: object) -> dict[str, object]:
+    """``defaults`` overridden by the KEY=VALUE pairs; values that look like JSON (numbers,
+    true/false/null, lists, objects) are parsed, anything else stays a string."""
+    options = dict(defaults)
+    for kv in pairs:
+        key, value = kv.split("=", 1)
+        options[key.replace("-", "_")] = (
+            json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+        )
+    return options
 
 
 def commit() -> str:

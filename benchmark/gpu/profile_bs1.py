@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmark.report import add_engine_arg, engine_options  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
@@ -35,12 +36,9 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--top", type=int, default=16)
-    ap.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE for LLM(...)")
+    add_engine_arg(ap)
     args = ap.parse_args()
-    options: dict[str, object] = {"load_format": args.load_format, "context_length": 4096}
-    for kv in args.engine_arg:
-        key, value = kv.split("=", 1)
-        options[key] = json.loads(value) if value[:1] in "0123456789-tfn[{" else value
+    options = engine_options(args.engine_arg, load_format=args.load_format, context_length=4096)
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     with LLM(args.model, **options) as llm:  # type: ignore[arg-type]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import random
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.report import commit, emit  # noqa: E402
+from benchmark.report import add_engine_arg, commit, emit, engine_options  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
@@ -53,19 +52,10 @@ def main() -> None:
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile the run, print top N"
     )
-    ap.add_argument(
-        "--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)"
-    )
+    add_engine_arg(ap)
     args = ap.parse_args()
 
-    options: dict[str, object] = {"load_format": args.load_format}
-    for kv in args.engine_arg:
-        key, value = kv.split("=", 1)
-        options[key.replace("-", "_")] = (
-            json.loads(value) if value[:1] in "0123456789-tfn[{" else value
-        )
-    if "context_length" not in options:
-        options["context_length"] = 4096
+    options = engine_options(args.engine_arg, load_format=args.load_format, context_length=4096)
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     vocab = min(10000, llm.engine.model_config.vocab_size - 1)
     prompts, max_tokens = workload(args.num_requests, args.scale, vocab)

@@ -9,14 +9,13 @@ prompt, greedy, ignore_eos; each measured as the best of a few repeats.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.report import emit  # noqa: E402
+from benchmark.report import add_engine_arg, emit, engine_options  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
@@ -37,17 +36,10 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument(
-        "--engine-arg", action="append", default=[], help="KEY=VALUE option for LLM(...)"
-    )
+    add_engine_arg(ap)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
-    options: dict[str, object] = {"load_format": args.load_format, "context_length": 4096}
-    for kv in args.engine_arg:
-        key, value = kv.split("=", 1)
-        options[key.replace("-", "_")] = (
-            json.loads(value) if value[:1] in "0123456789-tfn[{" else value
-        )
+    options = engine_options(args.engine_arg, load_format=args.load_format, context_length=4096)
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]
     timed(llm, prompt, 8, 1)  # warm-up
