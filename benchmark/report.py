@@ -16,14 +16,17 @@ def add_engine_arg(ap: argparse.ArgumentParser) -> None:
 
 
 def engine_options(pairs: list[str], **defaults: object) -> dict[str, object]:
-    """``defaults`` overridden by the KEY=VALUE pairs; values that look like JSON (numbers,
-    true/false/null, lists, objects) are parsed, anything else stays a string."""
+    """``defaults`` overridden by the KEY=VALUE pairs; values that are JSON (numbers,
+    true/false/null, lists, objects) are parsed, anything else stays a string (so
+    ``attention_backend=flashinfer`` is a name, not a malformed ``false``)."""
     options = dict(defaults)
     for kv in pairs:
         key, value = kv.split("=", 1)
-        options[key.replace("-", "_")] = (
-            json.loads(value) if value[:1] in "0123456789-tfn[{" else value
-        )
+        try:
+            parsed: object = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        options[key.replace("-", "_")] = parsed
     return options
 
 

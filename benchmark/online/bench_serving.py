@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.dataset == "trace" and not args.trace_file:
         ap.error("--dataset trace needs --trace-file")
+    if args.client_processes < 1:
+        ap.error("--client-processes must be at least 1")
     if args.client_processes > 1 and args.max_concurrency:
         ap.error("--max-concurrency needs one client process")
     if args.dataset == "trace" and args.sweep_rates:

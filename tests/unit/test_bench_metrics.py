@@ -202,3 +202,28 @@ def test_prometheus_parse_delta_and_server_view() -> None:
     assert view["itl_mean_ms"] is None  # no such histogram in this scrape
     vllm = server_metrics.parse_prometheus('vllm:generation_tokens_total{model="x"} 42\n')
     assert server_metrics.server_view(vllm)["output_tokens"] == 42.0
+
+
+def test_engine_args_parse_json_values_and_keep_names() -> None:
+    from benchmark.report import engine_options
+
+    opts = engine_options(
+        ["tp_size=2", "disable-custom-all-reduce=true", "attention_backend=flashinfer",
+         "context_length=1024", "dtype=float32"],
+        load_format="dummy", context_length=4096,
+    )  # fmt: skip
+    assert opts == {
+        "load_format": "dummy", "context_length": 1024, "tp_size": 2,
+        "disable_custom_all_reduce": True, "attention_backend": "flashinfer", "dtype": "float32",
+    }  # fmt: skip
+
+
+def test_client_processes_option_is_checked() -> None:
+    import pytest
+
+    from benchmark.online.bench_serving import parse_args
+
+    assert parse_args(["--client-processes", "4"]).client_processes == 4
+    for bad in (["--client-processes", "0"], ["--client-processes", "2", "--max-concurrency", "8"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
