@@ -91,9 +91,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _plan(self, md: FlashInferMetadata, num_heads: int, scale: float) -> None:
         p, pool = md.indices, self.pool
-        common = dict(
-            q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=scale
-        )  # fmt: skip
+        common = dict(q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=scale)
         if md.decode:
             self._decode.plan(
                 p.kv_indptr, p.kv_indices, p.last_page_len, num_heads, pool.num_kv_heads,
