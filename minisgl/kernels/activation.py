@@ -7,13 +7,17 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 # Columns per program; wider intermediate sizes spread over grid axis 1.
 _MAX_BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -40,5 +44,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out2 = out.view(-1, inter)
     block = min(triton.next_power_of_2(inter), _MAX_BLOCK)
     grid = (x2.shape[0], cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block)
+    _silu_and_mul_kernel[grid](
+        x2, out2, inter, x2.stride(0), out2.stride(0), BLOCK=block, **pdl_args()
+    )
     return out

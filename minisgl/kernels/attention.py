@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
 _LOG2E = 1.4426950408889634
 # Running-max start value: finite, so a tile whose scores are all masked gives
 # exp2(-inf - (-1e30)) = 0 rather than the NaN that -inf - (-inf) would.
@@ -60,7 +62,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     GATHER: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
     # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
     b = tl.program_id(0)
@@ -122,7 +126,9 @@ def _decode_reduce_kernel(
     mid_o_ptr, mid_lse_ptr, num_splits_ptr, q_index_ptr, out_ptr,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_splits = tl.load(num_splits_ptr + b)
@@ -153,7 +159,9 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # One program = one BLOCK_M tile of a row's new queries x one query head. The host lists
     # exactly the tiles that exist, so ragged batches launch no idle programs.
     blk = tl.program_id(0)
@@ -279,7 +287,7 @@ def decode_attention(
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, **_dot_mode(q.dtype), GATHER=gather,
-        DIRECT=max_splits == 1, num_warps=num_warps, num_stages=num_stages,
+        DIRECT=max_splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )  # fmt: skip
     if max_splits == 1:
         return out.view(num_tokens, hq * d)
@@ -288,7 +296,7 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)), BLOCK_D=block_d,
-        GATHER=gather, num_warps=2 if block_d <= 64 else 4,
+        GATHER=gather, num_warps=2 if block_d <= 64 else 4, **pdl_args(),
     )  # fmt: skip
     return out.view(num_tokens, hq * d)
 
@@ -327,6 +335,6 @@ def extend_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // hk, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_head_block(d),
-        **_dot_mode(q.dtype), num_warps=num_warps, num_stages=2,
+        **_dot_mode(q.dtype), num_warps=num_warps, num_stages=2, **pdl_args(),
     )  # fmt: skip
     return out.view(num_tokens, hq * d)

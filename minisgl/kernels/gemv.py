@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
 
@@ -31,7 +32,9 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
     # roundings of a GEMV into [gate, up] followed by kernels/activation.py (bit-equal).
     pid = tl.program_id(0)
@@ -92,13 +95,12 @@ def gemv_tiles(rows: int) -> Tiles:
     return block_m, 16 // block_m if block_m < 16 else 1, 512, 4, 3
 
 
-def gemv_choice(rows: int, n_cols: int, k_dim: int, any_size: bool = False) -> Tiles | None:
+def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
     """The tiles for this product, or None where cuBLAS is faster: the best tiles of the
-    H200 sweep per shape, as a rule (a MINISGL_GEMV_TABLE entry overrides it).
-    ``any_size``: tiles even for the widest weights (the gated GEMV has no cuBLAS twin)."""
+    H200 sweep per shape, as a rule (a MINISGL_GEMV_TABLE entry overrides it)."""
     if (rows, n_cols, k_dim) in TABLE:
         return TABLE[rows, n_cols, k_dim]
-    if rows != 1 or (n_cols * k_dim > 64 * 2**20 and not any_size):
+    if rows != 1 or n_cols * k_dim > 64 * 2**20:
         return None
     if n_cols <= 1024:
         return 1, 4, 2048, 4, 4  # few column blocks: each program streams a long K
@@ -132,6 +134,6 @@ def gemv(
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
 
 # Pair and tile counts change every batch: not specialised, so no mid-run compiles.
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])
@@ -50,12 +52,14 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C[pair, n] = A[pair // A_ROW_DIV] @ B[expert].T for the pairs of one aligned block.
 
     B is [E, N_total, K]; with FUSE_SILU the program also computes the "up" columns
     ``up_offset`` rows further down B and stores silu(gate) * up.
     """
+    pdl_wait(PDL)
     # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N
     # blocks together, so an expert's weight tiles are reused from L2.
     pid = tl.program_id(0)
@@ -219,6 +223,7 @@ def _launch_gemm(
         UPCAST=upcast,
         num_warps=4,
         num_stages=2 if a.dtype == torch.float32 else 3,
+        **pdl_args(),
     )
 
 

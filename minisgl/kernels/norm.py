@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 # Elements one program covers: short rows (q/k norm over head_dim) are packed several to a
 # program so each one still moves a useful amount of data.
@@ -45,7 +46,9 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
@@ -125,7 +128,7 @@ def _launch(
         n_rows, d, heads, sxt, sxh, srt, srh, eps,
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         # Sum x*x with separate multiplies and adds, as the fused q/k-norm kernel must.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip
     return out, res_out
 

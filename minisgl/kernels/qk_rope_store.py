@@ -19,6 +19,7 @@ import triton.language as tl
 
 from minisgl.kernels import cdiv
 from minisgl.kernels.norm import row_tile
+from minisgl.kernels.pdl import pdl_args, pdl_wait
 from minisgl.kernels.rope import load_cos_sin, rotate_halves
 
 
@@ -82,7 +83,9 @@ def _qk_norm_rope_store_kernel(
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
     Q_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # Program (token, chunk): chunks [0, Q_CHUNKS) are BLOCK_M q heads each, the rest k and
     # v heads, so even a one-token decode step spreads over a few programs.
     tok = tl.program_id(0).to(tl.int64)
@@ -183,6 +186,6 @@ def fused_qk_norm_rope_store(
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d // 2), num_warps=num_warps,
         # As in rope.py (and norm.py): no FMA contraction, no narrowing of the rounded math.
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip
     return q_out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
 # Elements of one [heads, half] tile; more heads than fit are handled in a loop.
 _TILE = 2048
 
@@ -69,7 +71,9 @@ def _rope_kernel(
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cos, stride_sin,
     HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     # One program per token: its cos/sin row is read once and reused for every q and k head.
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -137,5 +141,6 @@ def apply_rope(
         # Otherwise the compiler narrows the rounded float32 math to bf16 ops and contracts
         # product + product into one FMA, skipping a rounding the reference does.
         enable_fp_fusion=False,
+        **pdl_args(),
     )  # fmt: skip
     return q_out, k_out

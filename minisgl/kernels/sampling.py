@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
 _BLOCK = 2048
 _MAX_BLOCKS_PER_CHUNK = 4
 # Programs worth launching before chunks shrink: a few waves of 2-3 resident 8-warp programs
@@ -65,7 +67,9 @@ def _race_chunk_kernel(
     scores_ptr, ids_ptr, temps_ptr, seeds_ptr, steps_ptr, best_ptr, arg_ptr,
     n_cols, chunk_cols, n_chunks, stride_s, stride_i,
     HAS_IDS: tl.constexpr, HAS_TEMPS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     gamma = 0x9E3779B97F4A7C15
@@ -116,7 +120,10 @@ def _race_chunk_kernel(
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
-def _race_reduce_kernel(best_ptr, arg_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr):
+def _race_reduce_kernel(
+    best_ptr, arg_ptr, out_ptr, n_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr
+):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNKS)
     mask = offs < n_chunks
@@ -160,13 +167,21 @@ def _race(
     _race_chunk_kernel[(rows, n_chunks)](
         scores, scores if ids is None else ids, seeds if temps is None else temps, seeds, steps,
         best, arg, n, chunk_cols, n_chunks, scores.stride(0), 0 if ids is None else ids.stride(0),
-        HAS_IDS=ids is not None, HAS_TEMPS=temps is not None, BLOCK=_BLOCK, num_warps=8,
+        HAS_IDS=ids is not None, HAS_TEMPS=temps is not None, BLOCK=_BLOCK, num_warps=8, **pdl_args(),
     )  # fmt: skip
     if n_chunks > 1:
         # CHUNKS from the most chunks this width can have (one block each), not from this
         # batch's count: one compiled variant per vocabulary, none while serving.
         most = triton.next_power_of_2(triton.cdiv(n, _BLOCK))
-        _race_reduce_kernel[(rows,)](best, arg, out, n_chunks, CHUNKS=most, num_warps=1)
+        _race_reduce_kernel[(rows,)](
+            best,
+            arg,
+            out,
+            n_chunks,
+            CHUNKS=most,
+            num_warps=1,
+            **pdl_args(),
+        )
     return out
 
 

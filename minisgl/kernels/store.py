@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 # Elements of one token's K (or V) row handled by one program; wider rows use more programs
 # along grid axis 1, so any Hk * D works without huge register tiles.
@@ -25,7 +26,9 @@ def _store_kv_kernel(
     stride_cache_slot,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < ROW
@@ -77,4 +80,5 @@ def store_kv(
         ROW=row,
         BLOCK=block,
         num_warps=4,
+        **pdl_args(),
     )

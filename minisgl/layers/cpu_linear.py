@@ -128,17 +128,14 @@ def pack_model(
 
 
 def _fused_tiles(mlp: nn.Module) -> GemvTiles | None:
-    """The gated GEMV's tiles: the unfused GEMV's where it has them (then the two are
-    bit-equal), else the tile rule's for one half, where cuBLAS ran the unfused product."""
+    """The gated GEMV's tiles: the unfused GEMV's (then the two are bit-equal), or None where
+    cuBLAS runs the unfused product: on Qwen3-8B's gate/up (2 x 12288 x 4096) the gated GEMV
+    at the tile rule's tiles was slower than cuBLAS plus the SiLU kernel (5.30 vs 4.82
+    ms/token at batch 1 on the H200, benchmark/RESULTS.md)."""
     from minisgl.layers.activation import silu_and_mul
 
     layer: Any = getattr(mlp, "gate_up_proj")  # noqa: B009
-    weight = layer.weight
-    if getattr(mlp, "act", None) is not silu_and_mul or not weight.is_cuda:
+    if getattr(mlp, "act", None) is not silu_and_mul:
         return None
-    if weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    from minisgl.kernels import gemv as gemv_kernels
-
-    tiles: GemvTiles | None = layer.gemv_tiles
-    return tiles or gemv_kernels.gemv_choice(1, weight.shape[0] // 2, weight.shape[1], True)
+    tiles: GemvTiles | None = getattr(layer, "gemv_tiles", None)
+    return tiles

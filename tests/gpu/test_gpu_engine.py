@@ -202,3 +202,21 @@ def test_fused_gate_up_keeps_greedy_tokens(tiny: Path, monkeypatch: pytest.Monke
     assert calls >= len(mlps) * 31 * len(prompts)  # every layer of every decode step
     assert out == ref
     assert_engine_clean(llm)
+
+
+def test_pdl_on_off_identical(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16, graphs and overlap: kernels launched with programmatic dependent launch (the
+    default on Hopper) give exactly the tokens of plain stream-ordered launches."""
+    from minisgl.kernels import pdl
+
+    prompts, params = _workload()
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MINISGL_PDL", flag)
+        pdl.pdl_enabled.cache_clear()
+        assert pdl.pdl_enabled() == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        llm = LLM(str(tiny), chunked_prefill_size=128)
+        outs.append([r["token_ids"] for r in llm.generate(prompts, params)])
+        assert_engine_clean(llm)
+    pdl.pdl_enabled.cache_clear()
+    assert outs[0] == outs[1]
