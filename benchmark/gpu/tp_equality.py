@@ -12,9 +12,12 @@ is rounding. Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -28,7 +31,13 @@ def greedy(model: str, load_format: str, dtype: str, tp: int, tokens: int) -> li
     with LLM(model, load_format=load_format, dtype=dtype, tp_size=tp, context_length=1024) as llm:
         vocab = llm.engine.model_config.vocab_size
         prompts = [[(7 * i + 13 * n) % (vocab - 10) + 10 for i in range(n)] for n in PROMPT_LENS]
-        return [r["token_ids"] for r in llm.generate(prompts, params, use_tqdm=False)]
+        out = [r["token_ids"] for r in llm.generate(prompts, params, use_tqdm=False)]
+    # The engine's KV pool (most of the GPU) must be freed before the next run sizes its own:
+    # else the TP=2 run's rank 0, in this process, finds no memory left for a pool.
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -78,6 +78,13 @@ class FlashInferBackend(AttentionBackend):
                 f"attention_backend='flashinfer' needs a 16-bit dtype (bfloat16 or float16), "
                 f"not {pool.dtype}"
             )
+        if pool.head_dim not in (64, 128, 256):
+            # Its prefill kernels have no configuration for e.g. 32 (an internal error at the
+            # first prefill, seen on the H200 with flashinfer-python 0.6.0).
+            raise ValueError(
+                f"attention_backend='flashinfer' supports head_dim 64, 128 or 256, "
+                f"not {pool.head_dim}"
+            )
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
         # FA2 kernels: FlashInfer JIT-compiles on first use, and these build in far less

@@ -176,9 +176,22 @@ class Engine:
                 free, total = torch.cuda.mem_get_info(self.device)
                 used = total - free
                 budget = int(total * c.mem_fraction_static) - used - draft_weights
+                short = (
+                    f"{used / 2**30:.1f} of {total / 2**30:.1f} GiB of {self.device} are in use "
+                    f"(weights, or another process or engine) and mem_fraction_static="
+                    f"{c.mem_fraction_static} caps the total: free that memory or raise it"
+                )
             else:
                 budget = int(c.cpu_kv_cache_gb * (1 << 30))
+                short = f"cpu_kv_cache_gb={c.cpu_kv_cache_gb} is too small: raise it"
             per_page += draft_page
+            if budget < 2 * per_page:
+                # Else the pool shrinks to its 2-page minimum and every prompt is "too long"
+                # for a context of one page: fail at startup, saying why.
+                raise ValueError(
+                    f"no memory left for the KV cache ({max(budget, 0) / 2**20:.1f} MiB, "
+                    f"need at least {2 * per_page / 2**20:.2f}): {short}"
+                )
             # Never more than every request at full context could use.
             want = self.max_running_requests * self.context_length // c.page_size + 1
             num_pages = max(2, min(budget // per_page, want))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl import LLM
+from minisgl import LLM, SamplingParams
 from minisgl.attention.base import BatchLayout
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.kvcache.pool import KVPool
@@ -62,16 +62,26 @@ def test_attention_matches_torch_reference(prefix: list[int], ext: list[int]) ->
 
 
 def test_engine_on_flashinfer_serves_the_workload(tmp_path: Path) -> None:
-    tiny = make_tiny_model(tmp_path / "qwen3", "qwen3", max_position_embeddings=2048)
+    # head_dim 64: FlashInfer's prefill kernels have no configuration for the tiny default 32
+    # (seen on the H200: "Invalid configuration : NUM_MMA_D_QK=2"); the backend refuses it.
+    tiny = make_tiny_model(tmp_path / "qwen3", "qwen3", max_position_embeddings=2048, head_dim=64)
     prompts, params = shared_prefix_workload(3, 24, 300, 200, 64)
     ref = LLM(str(tiny), cuda_graph_max_bs=0, disable_overlap_scheduling=True)
     want = [r["token_ids"] for r in ref.generate(prompts, params)]
+    # Another kernel, other bf16 rounding: one near-tie flips the rest of a free-running
+    # sequence (seen on the H200: 697 of 909 tokens equal position by position, every first
+    # token equal). So the check is teacher-forced: each prompt extended by the reference's
+    # own tokens up to a cut, two tokens generated (the first through the paged prefill over
+    # a cached prefix, the second through the decode kernel), compared with the reference's.
+    cuts = (0, 9, 31, 62)
+    pairs = [(p, w, c) for p, w in zip(prompts, want) for c in cuts if c + 2 <= len(w)]
+    forced = [p + w[:c] for p, w, c in pairs]
+    expect = [w[c : c + 2] for _, w, c in pairs]
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for options in (dict(), dict(page_size=16, chunked_prefill_size=64)):
         llm = LLM(str(tiny), attention_backend="flashinfer", **options)  # type: ignore[arg-type]
-        got = [r["token_ids"] for r in llm.generate(prompts, params)]
+        got = [r["token_ids"] for r in llm.generate(forced, two)]
         assert_engine_clean(llm)
-        # Another kernel, other bf16 rounding: a near-tie may flip a later token, so the
-        # first tokens (prefill through the paged cache) must agree, and nearly all others.
-        assert [t[0] for t in got] == [t[0] for t in want]
-        same = sum(a == b for x, y in zip(got, want) for a, b in zip(x, y))
-        assert same >= 0.9 * sum(len(x) for x in want), options
+        for step in (0, 1):
+            same = sum(g[step] == e[step] for g, e in zip(got, expect))
+            assert same >= 0.95 * len(expect), (options, step, same, len(expect))

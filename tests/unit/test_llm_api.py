@@ -231,3 +231,11 @@ def test_bad_engine_options_name_the_field(kwargs: dict, field: str) -> None:
         EngineConfig(**kwargs)
     # None (auto) and 0 (graphs off for prefill/mixed steps) are valid.
     EngineConfig(cuda_graph_max_tokens=0, chunked_prefill_size=None)
+
+
+def test_no_memory_for_the_kv_cache_is_a_clear_error(tiny_models: dict[str, Path]) -> None:
+    """A budget too small for the pool's 2-page minimum fails at startup, naming the knob.
+    (It used to give a 2-page pool and a context of one token: every prompt "too long". Seen
+    on the H200 when another engine in the process still held the GPU's memory.)"""
+    with pytest.raises(ValueError, match="no memory left for the KV cache.*cpu_kv_cache_gb"):
+        LLM(str(tiny_models["llama"]), cpu_kv_cache_gb=1e-7)
