@@ -2,11 +2,21 @@
 linear layers of Qwen3-0.6B and Qwen3-8B, timed inside CUDA graphs (as decode runs them: a
 Triton launch costs 30-60 us of host time, more than these kernels take on the GPU).
 
-    python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--write-table table.json]
+    python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--gated] [--shapes 8B]
+        [--write-table table.json]
     MINISGL_TRITON_GEMV=1 MINISGL_GEMV_TABLE=table.json python benchmark/offline/bench_latency.py ...
 
 --write-table keeps, per shape and row count, the fastest tiles where they beat cuBLAS by
 at least 3%, else null (cuBLAS): the table kernels/gemv.py reads from MINISGL_GEMV_TABLE.
+
+--cold: each timed call reads the next of several copies of the weight, together at least
+twice the H200's 60 MB L2, as a decode step does (36 layers' weights pass between two reads
+of one layer's). Without it, weights under ~50 MB stay in L2 across replays and both sides
+look faster than they run in the engine.
+
+--gated: the gate/up shapes only, the GEMV with SiLU-and-mul fused in (gemv(..., gated=True))
+against cuBLAS followed by the SiLU kernel, each in one graph. A table row for a gated shape
+is written under the unfused key (its tiles serve both, as models/decoder.py uses them).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,43 +46,94 @@ SHAPES = {
 }
 
 
-def graph_time_us(fn: object) -> float:
+def graph_time_us(fn: Callable[[], object]) -> float:
     import triton.testing
 
-    fn()  # compile outside the capture  # type: ignore[operator]
+    fn()  # compile outside the capture
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench_cudagraph(fn, rep=30)) * 1e3  # type: ignore[arg-type]
+    return float(triton.testing.do_bench_cudagraph(fn, rep=30)) * 1e3
+
+
+GATE_UP = ("0.6B gate_up", "8B gate_up")
+L2_BYTES = 60 * 2**20
+
+
+def weight_copies(n: int, k: int, cold: bool) -> list[torch.Tensor]:
+    """One weight, or with ``cold`` enough copies to pass twice the L2 between two reads."""
+    copies = max(2, -(-2 * L2_BYTES // (n * k * 2))) if cold else 1
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    return [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+        for _ in range(copies)
+    ]
+
+
+def rotating(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> Callable[[], None]:
+    """A callable that runs ``fn`` on each copy in turn: one graph replays them all, and
+    the time per call is the graph's time divided by the copies (see graph_time_us)."""
+
+    def run() -> None:
+        for w in ws:
+            fn(w)
+
+    return run
 
 
 def main() -> None:
+    from minisgl.kernels.activation import silu_and_mul
     from minisgl.kernels.gemv import gemv, gemv_tiles
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--cold", action="store_true")
+    ap.add_argument("--gated", action="store_true")
+    ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--write-table", default=None)
     args = ap.parse_args()
     bf = torch.bfloat16
     table = []
-    for name, (n, k) in SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=bf) / k**0.5
+    shapes = {
+        k: v for k, v in SHAPES.items() if (not args.gated or k in GATE_UP) and args.shapes in k
+    }
+    for name, (n, k) in shapes.items():
+        ws = weight_copies(n, k, args.cold)
+        per = len(ws)
         gb = n * k * 2 / 1e9
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=bf)
-            ref = torch.nn.functional.linear(x, w)
-            torch.testing.assert_close(gemv(x, w), ref, atol=2e-2, rtol=2e-2)
-            t_cublas = graph_time_us(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            w0 = ws[0]
+            if args.gated:
+                ref = silu_and_mul(torch.nn.functional.linear(x, w0))
+                got = gemv(x, w0, None, gemv_tiles(rows), gated=True)
+
+                def base(w: torch.Tensor, x: torch.Tensor = x) -> object:
+                    return silu_and_mul(torch.nn.functional.linear(x, w))
+            else:
+                ref = torch.nn.functional.linear(x, w0)
+                got = gemv(x, w0)
+
+                def base(w: torch.Tensor, x: torch.Tensor = x) -> object:
+                    return torch.nn.functional.linear(x, w)
+
+            torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+            t_cublas = graph_time_us(rotating(base, ws)) / per
             bm = gemv_tiles(rows)[0]
+            limit = 8192 if args.gated else 16384  # the gated kernel keeps two accumulators
             configs = [gemv_tiles(rows)] + [
                 (bm, bn, bk, wp, st)
                 for bn, bk, wp, st in itertools.product(
-                    (2, 4, 8, 16), (512, 1024, 2048), (4, 8), (3, 4)
+                    (2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4)
                 )
-                if bm * bn * bk <= 16384
+                if bm * bn * bk <= limit
             ]
             results = []
             for cfg in dict.fromkeys(configs):
+
+                def ours(w: torch.Tensor, c: tuple = cfg, x: torch.Tensor = x) -> object:
+                    return gemv(x, w, None, c, gated=args.gated)  # type: ignore[arg-type]
+
                 try:
-                    t = graph_time_us(lambda c=cfg, x=x, w=w: gemv(x, w, None, c))
+                    t = graph_time_us(rotating(ours, ws)) / per
                 except Exception as e:  # out of registers or shared memory for this tile
                     print(f"  {name} {cfg}: {type(e).__name__}")
                     continue
@@ -79,8 +141,9 @@ def main() -> None:
             results.sort()
             best_t, best_c = results[0]
             top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in results[:4])
+            what = "cuBLAS+SiLU" if args.gated else "cuBLAS"
             print(
-                f"{name:13s} M={rows}: cuBLAS {t_cublas:6.1f} us ({gb / t_cublas * 1e3:.2f} TB/s)"
+                f"{name:13s} M={rows}: {what} {t_cublas:6.1f} us ({gb / t_cublas * 1e3:.2f} TB/s)"
                 f" | best {best_t:6.1f} us ({gb / best_t * 1e3:.2f}) | top {top}",
                 flush=True,
             )
