@@ -11,6 +11,7 @@ Tensor parallelism: ``LLM(model, tp_size=N)`` makes this process rank 0 and spaw
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,9 +79,24 @@ class LLM:
         )
 
     def close(self) -> None:
-        """Stop the TP ranks and leave the process group (a no-op with one rank). Idempotent."""
+        """Stop the TP ranks and leave the process group, then free this process's engine
+        (weights, KV pool, CUDA graphs), so that another LLM in the process can size its KV
+        pool from the memory. Idempotent; generate() afterwards raises."""
         if self._tp_teardown is not None:
             self._tp_teardown()
+        engine = self.__dict__.pop("engine", None)
+        self.__dict__.pop("scheduler", None)
+        if engine is None:
+            return
+        device = engine.device
+        del engine
+        # The engine's objects refer to each other: only a collection frees them now, and
+        # only then can the caching allocator hand the memory back.
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
 
     def __enter__(self) -> LLM:
         return self
@@ -109,6 +125,10 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt; results come back in input order."""
+        if "scheduler" not in self.__dict__:
+            raise RuntimeError(
+                "this LLM is closed: its engine is freed, its TP ranks (if any) shut down"
+            )
         batch: list[Prompt]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             batch = [prompts]  # type: ignore[list-item]
@@ -246,3 +266,4 @@ def _stop_tp(holder: dict[str, Any], followers: Any) -> None:
             # rendezvous or a collective. Stop them first.
             followers.shutdown(grace_s=0.0)
             destroy_tp_group()
+        holder.clear()  # the mirrored scheduler, and through it the engine

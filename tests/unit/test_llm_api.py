@@ -239,3 +239,18 @@ def test_no_memory_for_the_kv_cache_is_a_clear_error(tiny_models: dict[str, Path
     on the H200 when another engine in the process still held the GPU's memory.)"""
     with pytest.raises(ValueError, match="no memory left for the KV cache.*cpu_kv_cache_gb"):
         LLM(str(tiny_models["llama"]), cpu_kv_cache_gb=1e-7)
+
+
+def test_close_frees_the_engine(tiny_models: dict[str, Path]) -> None:
+    """close() lets the engine go (on CUDA its pool is then free for the next LLM: seen on
+    the H200, where a second engine in the process found no memory left), and is final."""
+    import weakref
+
+    llm = LLM(str(tiny_models["llama"]))
+    engine = weakref.ref(llm.engine)
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0]["token_ids"]) == 20
+    llm.close()
+    assert engine() is None, "something still holds the closed engine"
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate([[5, 6, 7]], GREEDY)
+    llm.close()  # idempotent
