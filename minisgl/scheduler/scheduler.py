@@ -247,11 +247,13 @@ class Scheduler:
         assert ok, "decode allocation failed after the capacity check"
         return [_Row(r, n, True, n > 1) for r, n in zip(decodes, new_tokens)]
 
+    def _growth(self, r: Req) -> int:
+        """Tokens a request may still add: its max_tokens, but never past the context."""
+        return min(r.params.max_tokens - r.num_generated, self.context_length - r.num_tokens, 4096)
+
     def _reserve_pages(self) -> int:
         """Pages kept back for the growth of running requests (not reserved in full)."""
-        tokens = sum(
-            min(r.params.max_tokens - r.num_generated, 4096) for r in self.running if not r.finished
-        )
+        tokens = sum(self._growth(r) for r in self.running if not r.finished)
         return int(tokens * self.new_token_ratio) // self.page_size
 
     def _schedule_prefill(self, partial: list[Req], budget: int) -> list[_Row]:
@@ -279,9 +281,13 @@ class Scheduler:
                 self._unadmit(req)
                 continue
             n = min(req.pending, budget)
-            own = min(req.params.max_tokens - req.num_generated, 4096) * self.new_token_ratio
-            need = self.kv.pages_for(req, n) + int(own) // self.page_size
-            if need > self.kv.available_pages - reserve or not self.kv.allocate(req, n):
+            own = self._growth(req) * self.new_token_ratio
+            chunk_pages = self.kv.pages_for(req, n)
+            need = chunk_pages + int(own) // self.page_size
+            # The growth estimate only holds back admission beside running requests: alone,
+            # a request whose chunk fits must start (else the loop would spin forever).
+            short = need > self.kv.available_pages - reserve and bool(self.running)
+            if short or chunk_pages > self.kv.available_pages or not self.kv.allocate(req, n):
                 self._unadmit(req)
                 break  # first-come first-served: do not let later requests jump the queue
             self.waiting.remove(req)

@@ -39,7 +39,8 @@ class StopChecker:
                     if s in tail:
                         req.matched_stop = s
                         return "stop"
-        if n_out >= p.max_tokens or req.num_tokens >= context_length:
+        # Known tokens only: with overlap a token may be in flight, and it is still to come.
+        if n_out >= p.max_tokens or req.num_known >= context_length:
             return "length"
         return None
 

@@ -135,3 +135,31 @@ def test_prefill_keeps_a_share_of_the_budget_beside_many_decodes(
         sched.abort(r.uid)
     sched.drain()
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("context_length", [37, 38])
+def test_context_end_is_the_same_with_overlap(
+    tiny_models: dict[str, Path], page_size: int, context_length: int
+) -> None:
+    """A request that runs into the context length ends with prompt + output = context, with
+    overlap scheduling as without (upstream #68's area). Overlap once ended it a token early:
+    the stop check counted the token still in flight as if its value were known."""
+    prompts = [list(range(3, 13)), list(range(40, 47))]
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    outs = []
+    for overlap in (False, True):
+        llm = LLM(
+            str(tiny_models["llama"]),
+            page_size=page_size,
+            num_pages=64,
+            context_length=context_length,
+        )
+        llm.scheduler.overlap = overlap
+        got = llm.generate(prompts, params)
+        for p, r in zip(prompts, got):
+            assert len(r["token_ids"]) == context_length - len(p), (overlap, len(r["token_ids"]))
+            assert r["finish_reason"] == "length"
+        outs.append([r["token_ids"] for r in got])
+        assert_engine_clean(llm)
+    assert outs[0] == outs[1]
