@@ -63,8 +63,23 @@ class _OpenAISampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # OpenAI fields this server does not implement, accepted in their neutral form only: a
+    # client that relies on one gets a 400 naming it, not output that silently ignored it.
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _refuse_unsupported(self) -> None:
+        if self.logit_bias:
+            raise ValueError("logit_bias must be empty: this server does not support logit bias")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(
+                f"response_format must be of type 'text', not {kind!r}: this server has no "
+                "structured output"
+            )
 
     def _base_params(self, max_tokens: int | None) -> dict[str, Any]:
+        self._refuse_unsupported()
         fields: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -95,6 +110,15 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None  # refused unless empty (see _refuse_unsupported)
+    tool_choice: Any = None
+
+    def _refuse_unsupported(self) -> None:
+        super()._refuse_unsupported()
+        if self.tools:
+            raise ValueError("tools must be empty: this server does not support function calling")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice must be 'none' or 'auto': this server has no tools")
 
     def sampling_fields(self) -> dict[str, Any]:
         max_tokens = (

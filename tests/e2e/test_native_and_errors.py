@@ -104,6 +104,9 @@ BAD_REQUESTS: list[tuple[str, str, Any]] = [
     ("generate without prompt", "/generate", {"sampling_params": {"max_new_tokens": 2}}),
     ("generate unknown param", "/generate", {"text": "hi", "sampling_params": {"max_tokens": 2}}),
     ("seed too large", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 2**70}),
+    ("logit_bias", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": 1.0}}),
+    ("json output", "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_object"}}),
+    ("tools", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]  # fmt: skip
 
 

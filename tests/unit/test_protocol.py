@@ -76,6 +76,11 @@ def test_chat_message_parts_and_roles() -> None:
         ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
         ({"seed": 2**70}, "seed"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
+        # Not implemented: refused by name rather than silently ignored.
+        ({"logit_bias": {"42": 5.0}}, "logit_bias"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
 def test_invalid_values_name_their_field(extra: dict[str, object], field: str) -> None:
@@ -187,3 +192,10 @@ def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) ->
         main(["--page-size", "0"])
     assert exit_info.value.code == 2
     assert "page_size" in capsys.readouterr().err
+
+
+def test_neutral_forms_of_unimplemented_fields_are_accepted() -> None:
+    """What clients send by default (empty lists/maps, the text format) is not an error."""
+    neutral = dict(logit_bias={}, response_format={"type": "text"}, tools=[], tool_choice="auto")
+    ChatCompletionRequest(messages=MSG, **neutral).sampling_fields()
+    CompletionRequest(prompt="a", logit_bias={}, response_format={"type": "text"}).sampling_fields()
