@@ -92,11 +92,20 @@ class FlashInferBackend(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             workspace, "NHD", backend="fa2"
         )
+        self._plan_copied: dict[bool, torch.cuda.Event] = {}  # see _plan
 
     def prepare(self, layout: BatchLayout, device: torch.device) -> FlashInferMetadata:
         return FlashInferMetadata(paged_indices(layout, device), layout.is_decode)
 
     def _plan(self, md: FlashInferMetadata, num_heads: int, scale: float) -> None:
+        # plan() writes the plan into the wrapper's pinned host buffer and queues its copy to
+        # the device. With overlap scheduling the next batch is planned while the previous
+        # one may still wait for the GPU, its copy not yet made: overwriting the buffer then
+        # corrupts that batch's plan (upstream mini-sglang #103: illegal memory accesses).
+        # So wait until this wrapper's previous copy is done.
+        copied = self._plan_copied.get(md.decode)
+        if copied is not None:
+            copied.synchronize()
         p, pool = md.indices, self.pool
         common = dict(q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=scale)
         if md.decode:
@@ -109,6 +118,9 @@ class FlashInferBackend(AttentionBackend):
                 p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len, num_heads,
                 pool.num_kv_heads, pool.head_dim, 1, causal=True, **common,
             )  # fmt: skip
+        copied = torch.cuda.Event()
+        copied.record()
+        self._plan_copied[md.decode] = copied
         md.planned = True
 
     def forward(

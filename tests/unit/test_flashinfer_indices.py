@@ -37,3 +37,55 @@ def test_paged_indices_walk_the_page_table() -> None:
 def test_flashinfer_without_the_package_is_a_clear_error(tiny_models: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="pip install flashinfer-python"):
         LLM(str(tiny_models["qwen3"]), attention_backend="flashinfer")
+
+
+def test_plan_waits_for_the_previous_plans_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream #103: plan() reuses a pinned host buffer whose copy to the device may still be
+    queued (overlap scheduling plans batch N+1 before batch N runs). Each wrapper's plan must
+    wait for the event recorded after its previous plan; decode and prefill wrappers have
+    buffers of their own, so one never waits on the other's. (Fakes stand in for flashinfer
+    and CUDA events, so this runs on CPU.)"""
+    from minisgl.attention import flashinfer_backend as fb
+    from minisgl.kvcache.pool import KVPool
+
+    log: list[str] = []
+
+    class FakeEvent:
+        count = 0
+
+        def __init__(self) -> None:
+            FakeEvent.count += 1
+            self.name = f"e{FakeEvent.count}"
+
+        def record(self) -> None:
+            log.append(f"record {self.name}")
+
+        def synchronize(self) -> None:
+            log.append(f"wait {self.name}")
+
+    class FakeWrapper:
+        def __init__(self, kind: str) -> None:
+            self.kind = kind
+
+        def plan(self, *args: object, **kwargs: object) -> None:
+            log.append(f"plan {self.kind}")
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    backend = object.__new__(fb.FlashInferBackend)
+    backend.pool = KVPool(1, 16, 1, 2, 64, torch.float16, torch.device("cpu"))
+    backend._decode, backend._prefill = FakeWrapper("decode"), FakeWrapper("prefill")
+    backend._plan_copied = {}
+    table = torch.arange(32).view(2, 16)
+    decode = BatchLayout([0, 1], [3, 4], [1, 1], table)
+    prefill = BatchLayout([0], [0], [5], table)
+    for layout in (decode, prefill, decode, decode, prefill):
+        md = backend.prepare(layout, torch.device("cpu"))
+        backend._plan(md, 4, 0.125)
+        assert md.planned
+    assert log == [
+        "plan decode", "record e1",
+        "plan prefill", "record e2",
+        "wait e1", "plan decode", "record e3",
+        "wait e3", "plan decode", "record e4",
+        "wait e2", "plan prefill", "record e5",
+    ]  # fmt: skip
