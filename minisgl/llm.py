@@ -23,7 +23,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative.report import spec_report
-from minisgl.tokenizer import load_tokenizer, trim_stop
+from minisgl.tokenizer import load_tokenizer, render_chat, trim_stop
 
 Prompt = str | Sequence[int]
 
@@ -165,22 +165,46 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: bool = True,
     ) -> list[dict[str, Any]]:
+        """Generate replies to one conversation or a list of them (see apply_chat_template)."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        prompts = [
+            self.apply_chat_template(
+                c,  # type: ignore[arg-type]
+                chat_template_kwargs,
+                continue_final_message,
+                add_generation_prompt,
+            )
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Token ids of a conversation: ``chat_template_kwargs`` go to the template (e.g.
+        ``{"enable_thinking": False}`` for Qwen3); ``continue_final_message`` continues the
+        last (assistant) message instead of starting a new reply."""
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompts as token ids")
+        return render_chat(
+            self.tokenizer,
+            messages,
+            chat_template_kwargs,
+            continue_final_message,
+            add_generation_prompt,
         )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
 
     def _run(self, reqs: list[Req], show_progress: bool) -> None:
         bar = None

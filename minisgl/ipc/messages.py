@@ -46,6 +46,9 @@ class SubmitItem:
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: passed to the template
+    continue_final_message: bool = False  # chat: the last (assistant) message stays open
+    add_generation_prompt: bool = True  # chat
     # SamplingParams fields; max_tokens None means "up to the context length".
     params: dict[str, Any] = field(default_factory=dict)
     return_prompt_text: bool = False  # completions echo

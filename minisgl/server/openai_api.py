@@ -94,7 +94,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     except ValueError as exc:
         raise bad_request(exc) from None
     n = fields["n"]
-    items = make_items([body.message_dicts()], [choice_params(fields, i) for i in range(n)])
+    items = make_items(
+        [body.message_dicts()],
+        [choice_params(fields, i) for i in range(n)],
+        **body.template_fields(),
+    )
     group = state.submit(items)
     env = _Envelope(
         f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), state.served_model_name

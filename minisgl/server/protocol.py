@@ -112,6 +112,18 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = None
     tools: list[Any] | None = None  # refused unless empty (see _refuse_unsupported)
     tool_choice: Any = None
+    # vLLM / SGLang chat extensions, applied when the tokenizer worker renders the template.
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+
+    def template_fields(self) -> dict[str, Any]:
+        """The SubmitItem fields that shape how the conversation is rendered."""
+        return {
+            "chat_template_kwargs": self.chat_template_kwargs,
+            "continue_final_message": self.continue_final_message,
+            "add_generation_prompt": self.add_generation_prompt,
+        }
 
     def _refuse_unsupported(self) -> None:
         super()._refuse_unsupported()

@@ -33,3 +33,42 @@ def trim_stop(text: str, stop: str | list[str] | tuple[str, ...] | None) -> str:
     stops = [stop] if isinstance(stop, str) else list(stop)
     cut = min((i for s in stops if (i := text.find(s)) >= 0), default=-1)
     return text if cut < 0 else text[:cut]
+
+
+# Arguments render_chat sets itself: a chat_template_kwargs entry may not override them.
+_RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "tools", "documents"}
+)  # fmt: skip
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Token ids of a conversation through the model's chat template. ``template_kwargs`` go to
+    the template itself (e.g. Qwen3's ``enable_thinking``); ``continue_final_message`` leaves
+    the last (assistant) message open for the model to continue, with no generation prompt."""
+    kwargs = dict(template_kwargs or {})
+    clash = sorted(_RESERVED_TEMPLATE_ARGS & kwargs.keys())
+    if clash:
+        raise ValueError(f"chat_template_kwargs must not set {', '.join(clash)}")
+    if continue_final_message:
+        if not messages or messages[-1].get("role") != "assistant":
+            raise ValueError(
+                "continue_final_message requires the last message to be the assistant's"
+            )
+        add_generation_prompt = False
+    ids = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=True,
+        **kwargs,
+    )
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]

@@ -40,6 +40,7 @@ from minisgl.ipc.messages import (
     TokenizedRequest,
     TokenOutput,
 )
+from minisgl.tokenizer import render_chat
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopStringFilter
 
 logger = logging.getLogger(__name__)
@@ -183,12 +184,13 @@ class Worker:
         if item.input_ids is not None:
             return list(map(int, item.input_ids))  # no Python loop per token
         if item.messages is not None:
-            ids = self.tokenizer.apply_chat_template(
-                item.messages, add_generation_prompt=True, tokenize=True
+            return render_chat(
+                self.tokenizer,
+                item.messages,
+                item.chat_template_kwargs,
+                item.continue_final_message,
+                item.add_generation_prompt,
             )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
         return list(self.tokenizer.encode(item.text or "", add_special_tokens=True))
 
     def _decode(self, ids: list[int]) -> str:

@@ -276,6 +276,27 @@ def test_max_completion_tokens_and_extras(client: openai.OpenAI) -> None:
     assert resp.choices[0].finish_reason == "length"
 
 
+def test_chat_template_options(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM/SGLang chat extensions: continue_final_message renders the assistant's draft
+    open (as transformers does), chat_template_kwargs reach the template, and a kwarg that
+    would override the renderer's own is a 400 naming the field."""
+    draft = [*QUESTION, {"role": "assistant", "content": "The capital is"}]
+    want = tokenizer.apply_chat_template(
+        draft, continue_final_message=True, add_generation_prompt=False, tokenize=True
+    )
+    want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "input_ids") else want
+    resp = client.chat.completions.create(
+        model=MODEL, messages=draft, max_tokens=2, temperature=0,
+        extra_body={"continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}},
+    )  # fmt: skip
+    assert resp.usage.prompt_tokens == len(want)
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"tokenize": False}},
+        )  # fmt: skip
+
+
 def test_metrics(default_server: ServerHandle) -> None:
     status, text = default_server.get("/metrics")
     assert status == 200

@@ -164,6 +164,39 @@ def test_chat_template(llm: LLM) -> None:
     assert r["token_ids"] == llm.generate([ids], GREEDY)[0]["token_ids"]
 
 
+def test_chat_template_options(llm: LLM, tmp_path: Path) -> None:
+    """chat_template_kwargs reach the template (Qwen3's enable_thinking, here a stand-in);
+    continue_final_message leaves the assistant's message open (no closing tag, no
+    generation prompt); bad uses are ValueErrors naming the option."""
+    from minisgl.tokenizer import render_chat
+    from tests.helpers import save_tiny_tokenizer
+
+    save_tiny_tokenizer(tmp_path, 64)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = (
+        "{% for m in messages %}t3 {{ m['content'] }}"
+        "{% if not (loop.last and continue_final_message) %} t4{% endif %} {% endfor %}"
+        "{% if add_generation_prompt %}t5{% endif %}"
+        "{% if enable_thinking is defined and not enable_thinking %} t6{% endif %}"
+    )
+    msgs = [{"role": "user", "content": "t9"}]
+    assert render_chat(tok, msgs) == [3, 9, 4, 5]
+    assert render_chat(tok, msgs, {"enable_thinking": False}) == [3, 9, 4, 5, 6]
+    draft = [*msgs, {"role": "assistant", "content": "t10 t11"}]
+    assert render_chat(tok, draft, continue_final_message=True) == [3, 9, 4, 3, 10, 11]
+    with pytest.raises(ValueError, match="continue_final_message"):
+        render_chat(tok, msgs, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        render_chat(tok, msgs, {"tokenize": False})
+    # The offline API passes them through (the fixture's template ignores enable_thinking).
+    ids = llm.apply_chat_template(draft, {"enable_thinking": False}, continue_final_message=True)
+    # transformers cuts the rendering after the final message's text, closing tag included.
+    assert ids == [3, 9, 4, 3, 10, 11]
+    assert llm.chat(msgs, GREEDY, add_generation_prompt=False)[0]["prompt_tokens"] == 3
+
+
 @pytest.mark.parametrize(
     "kwargs,field",
     [

@@ -137,6 +137,7 @@ def test_choices_get_distinct_seeds() -> None:
 def test_messages_round_trip() -> None:
     msgs = [
         SubmitRequest([SubmitItem(1, messages=MSG, params={"max_tokens": None}, return_prompt_text=True)]),
+        SubmitRequest([SubmitItem(5, messages=MSG, chat_template_kwargs={"enable_thinking": False}, continue_final_message=True, add_generation_prompt=False)]),
         AddRequests([TokenizedRequest(2, [1, 2, 3], {"stop": ["a"], "seed": -(2**63)})]),
         StepOutputs(
             [
