@@ -105,6 +105,7 @@ class RequestGroup:
         self.last_token_at: dict[int, float] = {}  # per sequence, for inter-token latency
         self.timer: asyncio.TimerHandle | None = None  # the request timeout, if any
         self.closed = False
+        self.name: str | None = None  # the id the client sees (for /abort_request)
 
     async def first(self) -> TextOutput:
         """The first output of any sequence (an error here means nothing was queued).
@@ -169,6 +170,7 @@ class Frontend:
         self.request_timeout = request_timeout
         self.draining = False
         self.groups: dict[int, RequestGroup] = {}
+        self.named: dict[str, RequestGroup] = {}  # by the id the client sees
         self.controls: dict[int, asyncio.Future[ControlReply]] = {}
         self.rids = itertools.count(1)
         self.cids = itertools.count(1)
@@ -225,9 +227,16 @@ class Frontend:
         self._drain_inbox()  # see start(): other requests' outputs must not wait for a burst
         return group
 
+    def name(self, group: RequestGroup, name: str) -> None:
+        """Let /abort_request find the group by the id its response carries."""
+        group.name = name
+        self.named[name] = group
+
     def forget(self, group: RequestGroup) -> None:
         if group.timer is not None:
             group.timer.cancel()
+        if group.name is not None and self.named.get(group.name) is group:
+            del self.named[group.name]
         unfinished = sorted(group.unfinished)
         for rid in group.rids:
             self.groups.pop(rid, None)
@@ -245,15 +254,20 @@ class Frontend:
         n = self.abort_group(group, message, 504)
         self.metrics.server_aborts.labels("timeout").inc(n)
 
-    def abort_group(self, group: RequestGroup, message: str, status: int) -> int:
+    def abort_group(self, group: RequestGroup, message: str | None, status: int) -> int:
         """End the group's unfinished sequences with an error output (what its HTTP response
-        reports) and abort them in the scheduler, which frees their KV. Returns how many."""
+        reports) and abort them in the scheduler, which frees their KV. Returns how many.
+        ``message`` None (a client's /abort_request): no error, the sequences just finish
+        with finish_reason "abort" and what they had generated."""
         unfinished = sorted(group.unfinished)
         group.unfinished.clear()
+        error_status = status if message is not None else 0
         for rid in unfinished:
             self.groups.pop(rid, None)
             group.queue.put_nowait(
-                TextOutput(rid, "", [], finish_reason="abort", error=message, error_status=status)
+                TextOutput(
+                    rid, "", [], finish_reason="abort", error=message, error_status=error_status
+                )
             )
         if unfinished and self.dead_reason is None:
             sockets.send(self.to_worker, AbortRequests(unfinished))
@@ -270,7 +284,12 @@ class Frontend:
             await asyncio.sleep(0.05)
         return not self.groups
 
-    def abort_all(self, message: str, status: int) -> int:
+    def abort_named(self, name: str) -> int:
+        """A client's /abort_request for one request: how many sequences it ended."""
+        group = self.named.get(name)
+        return self.abort_group(group, None, 200) if group is not None else 0
+
+    def abort_all(self, message: str | None, status: int) -> int:
         groups = {id(g): g for g in self.groups.values()}.values()
         return sum(self.abort_group(g, message, status) for g in list(groups))
 

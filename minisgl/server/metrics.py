@@ -70,7 +70,7 @@ class ServerMetrics:
         self.server_aborts = Counter(
             "minisgl_server_aborts",
             "Sequences the server aborted, by reason",
-            ["reason"],  # timeout | shutdown
+            ["reason"],  # timeout | shutdown | abort_request
             registry=r,
         )
         self.scheduler_aborts = Counter(

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
 
 from minisgl.ipc.messages import ControlReply, TextOutput
 from minisgl.server.errors import APIError, bad_request
@@ -66,6 +67,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     n = fields["n"]
     group = state.submit(make_items(prompts, [choice_params(fields, i) for i in range(n)]))
     base = body.rid or uuid.uuid4().hex
+    state.frontend.name(group, base)
     ids = [base] if len(group.rids) == 1 else [f"{base}-{i}" for i in range(len(group.rids))]
     single = not is_batch and n == 1
     spec = state.speculative
@@ -104,6 +106,28 @@ async def _control(state: ServerState, kind: str, timeout: float) -> ControlRepl
         ) from None
     except ServiceUnavailable as exc:
         raise APIError(503, f"the engine is not available: {exc}") from None
+
+
+class AbortRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    rid: str | None = None
+    abort_all: bool = False
+
+
+@router.post("/abort_request")
+async def abort_request(body: AbortRequest, request: Request) -> Response:
+    """SGLang's route: abort one request, by the id its response carries (the ``rid`` of
+    /generate, the ``id`` of an OpenAI completion), or every one (``abort_all``). The
+    sequences end with finish_reason "abort" and what they had generated; their KV is freed."""
+    state = server_state(request)
+    if body.abort_all:
+        n = state.frontend.abort_all(None, 200)
+    elif body.rid:
+        n = state.frontend.abort_named(body.rid)
+    else:
+        raise bad_request("rid must be given, or abort_all true")
+    state.metrics.server_aborts.labels("abort_request").inc(n)
+    return JSONResponse({"success": True, "aborted": n})
 
 
 # Two registrations, not one api_route with both methods: each gets its own OpenAPI operation

@@ -103,6 +103,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     env = _Envelope(
         f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), state.served_model_name
     )
+    state.frontend.name(group, env.id)  # for /abort_request
 
     def full(results: list[SequenceResult]) -> dict[str, Any]:
         choices = [
@@ -172,6 +173,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     env = _Envelope(
         f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), state.served_model_name
     )
+    state.frontend.name(group, env.id)  # for /abort_request
 
     def full(results: list[SequenceResult]) -> dict[str, Any]:
         choices = []

@@ -101,3 +101,61 @@ def test_concurrent_outputs_match_sequential(tiny_server: ServerHandle) -> None:
     batched = asyncio.run(together())
     assert [b["output_ids"] for b in batched] == [a["output_ids"] for a in alone]
     wait_idle_and_check(tiny_server)
+
+
+def test_abort_request_route(tiny_server: ServerHandle) -> None:
+    """SGLang's /abort_request: by rid (a /generate rid, an OpenAI response id) and abort_all.
+    Aborted requests finish with finish_reason abort (HTTP 200, what they had so far), and
+    every page comes back."""
+    long_gen = {"max_new_tokens": 450, "ignore_eos": True}
+    before = _metric(tiny_server, 'minisgl_server_aborts_total{reason="abort_request"}')
+
+    async def first_event(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+        resp = await session.post(url, json=body)
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                return resp, json.loads(line[len(b"data: ") :])
+        raise AssertionError("no event")
+
+    async def rest(resp: aiohttp.ClientResponse) -> list[Any]:
+        events = []
+        async for line in resp.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                events.append(json.loads(line[len(b"data: ") :]))
+        return events
+
+    async def run() -> None:
+        async with aiohttp.ClientSession() as session:
+            gen = tiny_server.url("/generate")
+            # One stream aborted by its own rid; the other keeps going until abort_all.
+            a, _ = await first_event(
+                session, gen, {"text": "t5 t6", "rid": "mine", "stream": True, "sampling_params": long_gen}
+            )  # fmt: skip
+            b, first_b = await first_event(
+                session, gen, {"text": "t7 t8", "stream": True, "sampling_params": long_gen}
+            )  # fmt: skip
+            chat, first_c = await first_event(session, tiny_server.url("/v1/chat/completions"), {
+                "messages": [{"role": "user", "content": "t9"}], "stream": True, **LONG,
+            })  # fmt: skip
+            ok, body = tiny_server.post("/abort_request", {"rid": "mine"})
+            assert ok == 200 and body["aborted"] == 1, body
+            events_a = await rest(a)
+            assert events_a[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert 0 < len(events_a[-1]["output_ids"]) < 450
+            ok, body = tiny_server.post("/abort_request", {"rid": first_c["id"]})
+            assert ok == 200 and body["aborted"] == 1, body
+            assert (await rest(chat))[-1]["choices"][0]["finish_reason"] == "abort"
+            ok, body = tiny_server.post("/abort_request", {"abort_all": True})
+            assert ok == 200 and body["aborted"] == 1, body
+            assert (await rest(b))[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert first_b["meta_info"]["id"] != "mine"
+
+    asyncio.run(run())
+    status, body = tiny_server.post("/abort_request", {"rid": "no-such-request"})
+    assert status == 200 and body["aborted"] == 0
+    status, body = tiny_server.post("/abort_request", {})
+    assert status == 400 and body["error"]["param"] == "rid"
+    wait_idle_and_check(tiny_server)
+    after = _metric(tiny_server, 'minisgl_server_aborts_total{reason="abort_request"}')
+    assert after - before == 3
