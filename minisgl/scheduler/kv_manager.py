@@ -7,6 +7,7 @@ node), or a request's private range ``[tree_len, alloc_len)`` of its page-table 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -187,6 +188,19 @@ class KVManager:
                 ).tolist()
         return pages
 
+    def _check_row_prefix(self, r: Req) -> None:
+        """The row's first tree_len slots are the locked tree node's path, for the request's
+        own tokens (upstream mini-sglang #142: a row kept pointing at pages given back when
+        another request had cached the same prefix first)."""
+        tokens, values = _path(r.tree_node)
+        assert len(tokens) == r.tree_len and tokens == r.token_slice(0, r.tree_len), (
+            f"request {r.uid}'s locked prefix is not its own first {r.tree_len} tokens"
+        )
+        slots = torch.cat(values) if values else self.host_table.new_empty(0)
+        assert torch.equal(self.host_table[r.row, : r.tree_len], slots), (
+            f"request {r.uid}'s page-table row does not point at its cached prefix's pages"
+        )
+
     def check_integrity(self, live: Iterable[Req]) -> None:
         live = list(live)
         self.cache.check_integrity(in_use_pages=self.private_pages(live))
@@ -198,9 +212,25 @@ class KVManager:
                     f"draft {r.draft_len}, target {r.kv_len}"
                 )
         assert len(set(rows)) == len(rows), "a page-table row is owned twice"
+        if self.reuse:
+            for r in live:
+                if r.row >= 0 and r.tree_node is not None:
+                    self._check_row_prefix(r)
         assert len(rows) + len(self.free_rows) == self.max_requests, (
             f"row leak: {len(rows)} live + {len(self.free_rows)} free != {self.max_requests}"
         )
+
+
+def _path(node: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """Tokens and slots from the root down to ``node`` (walked up: nothing in the tree moves)."""
+    keys: list[list[int]] = []
+    values: list[torch.Tensor] = []
+    while node is not None and node.parent is not None:
+        keys.append(node.key)
+        values.append(node.value)
+        node = node.parent
+    tokens = [t for k in reversed(keys) for t in k]
+    return tokens, values[::-1]
 
 
 def ranges(

@@ -163,3 +163,38 @@ def test_context_end_is_the_same_with_overlap(
         outs.append([r["token_ids"] for r in got])
         assert_engine_clean(llm)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(chunked_prefill_size=16), dict(page_size=16, num_pages=256, chunked_prefill_size=16)],
+    ids=["page1-chunk16", "page16-chunk16"],
+)
+def test_rows_point_at_their_cached_prefix_at_every_step(
+    tiny_models: dict[str, Path], options: dict
+) -> None:
+    """The integrity check between every step of a prefix-sharing workload (requests that
+    repeat a prompt, chunked so several compute the same prefix): each live row's cached
+    prefix is its locked tree path (upstream #142). A row pointing elsewhere is caught."""
+    prompts, params = _workload()
+    llm = LLM(str(tiny_models["llama"]), **{**BASE, **options})
+    sched = llm.scheduler
+    sched.overlap = False  # the check is defined between batches
+    for ids, p in zip(prompts, params):
+        sched.add_request(ids, p)
+    checked = 0
+    while sched.has_work:
+        sched.step()
+        sched.check_integrity()
+        checked += sum(r.tree_len > 0 for r in sched.running)
+    assert checked > 0, "no step had a live request with a cached prefix"
+    assert_engine_clean(llm)
+    # The check itself: a live request whose row stops pointing at its prefix's pages.
+    sched.add_request(prompts[1], params[1])
+    while not any(r.tree_len > 0 for r in sched.running):
+        sched.step()
+    req = next(r for r in sched.running if r.tree_len > 0)
+    table = sched.kv.host_table
+    table[req.row, 0] = table[req.row, 0] + 1
+    with pytest.raises(AssertionError, match="does not point at its cached prefix"):
+        sched.check_integrity()
