@@ -21,6 +21,7 @@ from typing import Any
 
 from minisgl.config import EngineConfig
 from minisgl.sampling_params import SamplingParams
+from minisgl.tokenizer import render_chat
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 
 PROMPT = ">>> "
@@ -62,13 +63,9 @@ class ChatSession:
         it no longer leaves room for an answer."""
         room = min(self.params.max_tokens, self.scheduler.context_length // 2)
         while True:
-            ids = self.tokenizer.apply_chat_template(
-                self.history, add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
+            ids = render_chat(self.tokenizer, self.history)
             if len(ids) + room <= self.scheduler.context_length or len(self.history) <= 1:
-                return [int(t) for t in ids]
+                return ids
             del self.history[:2]
 
     def ask(self, text: str, write: Callable[[str], Any]) -> str:

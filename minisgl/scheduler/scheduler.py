@@ -286,6 +286,7 @@ class Scheduler:
             need = chunk_pages + int(own) // self.page_size
             # The growth estimate only holds back admission beside running requests: alone,
             # a request whose chunk fits must start (else the loop would spin forever).
+            # (A chunk that cannot fit is not tried: allocate would evict the cache first.)
             short = need > self.kv.available_pages - reserve and bool(self.running)
             if short or chunk_pages > self.kv.available_pages or not self.kv.allocate(req, n):
                 self._unadmit(req)
