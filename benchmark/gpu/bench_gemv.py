@@ -43,6 +43,12 @@ SHAPES = {
     "8B gate_up": (24576, 4096),
     "8B down": (4096, 12288),
     "8B lm_head": (151936, 4096),
+    # One rank's shards at TP=2 (column-parallel outputs and row-parallel inputs halved).
+    "8B-tp2 qkv": (3072, 4096),
+    "8B-tp2 o": (4096, 2048),
+    "8B-tp2 gate_up": (12288, 4096),
+    "8B-tp2 down": (4096, 6144),
+    "8B-tp2 lm_head": (75968, 4096),
 }
 
 
@@ -54,7 +60,7 @@ def graph_time_us(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=30)) * 1e3
 
 
-GATE_UP = ("0.6B gate_up", "8B gate_up")
+GATE_UP = ("0.6B gate_up", "8B gate_up", "8B-tp2 gate_up")
 L2_BYTES = 60 * 2**20
 
 

@@ -7,6 +7,10 @@ read: each rank copies its part in, a barrier, each reads every rank's part and 
 in rank order (the same sum on every rank), and a closing barrier before the buffer is
 reused. One kernel, a few microseconds, capturable in CUDA graphs.
 
+The all-reduces that feed a residual add + RMSNorm (every o_proj and down_proj) run fused
+with it instead, in one kernel of our own over buffers of the same kind
+(kernels/all_reduce_norm.py; MINISGL_FUSED_ALL_REDUCE_NORM=0 turns that off).
+
 Bigger tensors (prefill) and dtypes the kernel lacks go to NCCL. Two ranks sum a + b
 either way, so the result equals NCCL's exactly. ``--disable-custom-all-reduce`` (or no
 peer access between the GPUs) keeps NCCL for everything.
@@ -15,6 +19,7 @@ peer access between the GPUs) keeps NCCL for everything.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -23,6 +28,19 @@ logger = logging.getLogger(__name__)
 # Largest message it takes: a decode batch of 256 rows of a 4,096-wide model is 2 MiB.
 MAX_BYTES = 8 * 2**20
 _ALIGN = 16  # the kernel's vector width: pointers and sizes must be multiples of it
+# The fused all-reduce + norm: two slots (alternate calls) of 512 rows of a 4,096-wide bf16
+# model, and one flag per rank and program (a program per row, or per few short rows).
+NORM_SLOT_BYTES = 4 * 2**20
+NORM_MAX_PROGRAMS = 4096
+_NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _peer_addresses(t: torch.Tensor, handle: object) -> torch.Tensor:
+    """int64 [world] on t's device: where every rank's copy of symmetric tensor ``t`` is
+    mapped in this process."""
+    ptrs = handle.buffer_ptrs  # type: ignore[attr-defined]
+    offset = t.data_ptr() - ptrs[handle.rank]  # type: ignore[attr-defined]
+    return torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=t.device)
 
 
 class PeerAllReduce:
@@ -41,6 +59,22 @@ class PeerAllReduce:
             symm_mem.rendezvous(buf, self.group_name)
             self.buffers[dtype] = buf
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        self.fuse_norm = os.environ.get("MINISGL_FUSED_ALL_REDUCE_NORM", "1") != "0"
+        if self.fuse_norm:
+            self.rank = dist.get_rank(group)
+            norm_buf = symm_mem.empty(2 * NORM_SLOT_BYTES, dtype=torch.uint8, device=device)
+            self.norm_bufs = _peer_addresses(
+                norm_buf, symm_mem.rendezvous(norm_buf, self.group_name)
+            )
+            world = dist.get_world_size(group)
+            flags = symm_mem.empty(world * NORM_MAX_PROGRAMS, dtype=torch.int64, device=device)
+            flags.zero_()
+            self.norm_flags = _peer_addresses(flags, symm_mem.rendezvous(flags, self.group_name))
+            self.norm_epochs = torch.zeros(NORM_MAX_PROGRAMS, dtype=torch.int64, device=device)
+            self._keep = (norm_buf, flags)
+            # No rank may raise a flag in a peer's array before that peer has zeroed it.
+            torch.cuda.synchronize(device)
+            dist.barrier(group)
 
     def takes(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -58,6 +92,32 @@ class PeerAllReduce:
         n = x.numel()
         self._op(self.buffers[x.dtype][:n], x.view(-1), "sum", self.group_name, out.view(-1))
         return out
+
+    def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether ``add_rms_norm`` can take these (else: all-reduce, then the norm)."""
+        from minisgl.kernels.all_reduce_norm import programs
+
+        return (
+            self.fuse_norm
+            and x.dim() == 2
+            and x.dtype in _NORM_DTYPES
+            and x.stride(1) == 1
+            and x.numel() * x.element_size() <= NORM_SLOT_BYTES
+            and programs(x.shape[0], x.shape[1]) <= NORM_MAX_PROGRAMS
+            and (residual is None or residual.stride(1) == 1)
+        )
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rmsnorm(s + residual) * weight, s + residual), s the sum of ``x`` over ranks."""
+        from minisgl.kernels.all_reduce_norm import all_reduce_add_rms_norm
+
+        slot_elems = NORM_SLOT_BYTES // x.element_size()
+        return all_reduce_add_rms_norm(
+            x, residual, weight, eps, self.norm_bufs, self.norm_flags, self.norm_epochs,
+            slot_elems, self.rank,
+        )  # fmt: skip
 
 
 _active: PeerAllReduce | None = None

@@ -118,9 +118,9 @@ def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
         return None
     if n_cols <= 1024:
         return 1, 4, 2048, 4, 4  # few column blocks: each program streams a long K
-    if k_dim >= 8192:
-        return 1, 4, 1024, 4, 4
-    if k_dim >= 4096 and n_cols <= 4096:
+    # Qwen3-8B's down: the best tiles of the cold sweep (weights evicted from L2 between
+    # calls, as in decoding); 8B batch 1 went 4.91 -> 4.60 ms/token with them (RESULTS.md).
+    if k_dim >= 8192 or (k_dim >= 4096 and n_cols <= 4096):
         return 1, 8, 1024, 4, 4
     return 1, 8, 512, 4, 4
 

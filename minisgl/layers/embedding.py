@@ -31,14 +31,15 @@ class VocabParallelEmbedding(nn.Module):
         n = min(self.local_vocab, max(0, self.vocab_size - self.start))
         param.data[:n].copy_(loaded.narrow(0, self.start, n))
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's rows only (zeros elsewhere), to be summed by the caller."""
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         mask = (local < 0) | (local >= self.local_vocab)
         out = F.embedding(local.masked_fill(mask, 0), self.weight)
         out.masked_fill_(mask.unsqueeze(-1), 0)
-        return all_reduce(out, self.tp)
+        return all_reduce(out, self.tp) if reduce else out
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -113,9 +113,14 @@ class RowParallelLinear(nn.Module):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial sum, for the caller to all-reduce (fused with
+        the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
         y = linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles)
-        y = all_reduce(y, self.tp)
+        if reduce or self.tp.size == 1:
+            y = all_reduce(y, self.tp)
+        elif self.tp.rank != 0:
+            return y
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -109,7 +109,8 @@ class SparseMoE(nn.Module):
         else:  # one expert's down_proj [H, I]
             param.data[shard_id].copy_(self._inter_slice(loaded, 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial sum, for the caller to all-reduce."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         if x.is_cuda and self.act == "silu":
             # Imported here so CPU-only installs never need triton.
@@ -118,4 +119,4 @@ class SparseMoE(nn.Module):
             out = fused_moe(x, self.w13, self.w2, weights, ids)
         else:
             out = moe_reference(x, self.w13, self.w2, weights, ids, self.act)
-        return all_reduce(out, self.tp)
+        return all_reduce(out, self.tp) if reduce else out

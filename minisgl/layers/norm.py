@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.distributed import TPInfo, all_reduce
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -24,9 +26,20 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def forward_with_residual(
-        self, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None, tp: TPInfo | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual): the fused pre-norm pattern."""
+        """Returns (norm(x + residual), x + residual): the fused pre-norm pattern.
+
+        ``tp``: x is this rank's partial sum (a layer's output before its all-reduce), summed
+        over the ranks here first; over GPU peer memory, in the same kernel as the norm."""
+        if tp is not None and tp.size > 1:
+            if x.is_cuda:
+                from minisgl.distributed import peer_all_reduce
+
+                peer = peer_all_reduce.active()
+                if peer is not None and peer.takes_norm(x, residual):
+                    return peer.add_rms_norm(x, residual, self.weight, self.eps)
+            x = all_reduce(x, tp)
         if x.is_cuda and residual is not None:
             from minisgl.kernels.norm import fused_add_rms_norm
 

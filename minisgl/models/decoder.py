@@ -35,12 +35,13 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
         self.act = ACTIVATIONS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: down_proj's partial sum over TP ranks (see RowParallelLinear)."""
         gate_up = self.gate_up_proj
         if self.fused_tiles is not None and x.shape[0] == 1:
             h = gated_gemv(x, gate_up.weight, gate_up.bias, self.fused_tiles)
-            return self.down_proj(h)
-        return self.down_proj(self.act(gate_up(x)))
+            return self.down_proj(h, reduce)
+        return self.down_proj(self.act(gate_up(x)), reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -58,14 +59,17 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = tp
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h, batch)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+        """x and the returned output are partial sums over the TP ranks: every all-reduce
+        happens inside the norm that follows it (fused with it on GPUs with peer memory)."""
+        h, residual = self.input_layernorm.forward_with_residual(x, residual, self.tp)
+        h = self.self_attn(h, batch, reduce=False)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, self.tp)
+        return self.mlp(h, reduce=False), residual
 
 
 class DecoderModel(nn.Module):
@@ -76,13 +80,14 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        x = self.embed_tokens(batch.input_ids, reduce=False)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
-        x, _ = self.norm.forward_with_residual(x, residual)
+        x, _ = self.norm.forward_with_residual(x, residual, self.tp)
         return x
 
 

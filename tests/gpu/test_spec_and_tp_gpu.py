@@ -90,21 +90,26 @@ from minisgl.distributed import peer_all_reduce
 from tests.gpu.test_spec_and_tp_gpu import _workload
 prompts, params = _workload()
 llm = LLM(sys.argv[1], tp_size=2, dtype="bfloat16")
-used = peer_all_reduce.active() is not None
+peer = peer_all_reduce.active()
 out = [r["token_ids"] for r in llm.generate(prompts, params)]
+# Calls of the fused all-reduce + norm kernel (per program: its epoch counter).
+fused = int(peer.norm_epochs.sum()) if peer is not None and peer.fuse_norm else 0
 llm.close()
-print(json.dumps({"peer": used, "out": out}))
+print(json.dumps({"peer": peer is not None, "fused": fused, "out": out}))
 """
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path]) -> None:
-    """bf16 (the CUDA default): decode all-reduces through GPU peer memory give the same
-    tokens as NCCL for everything (two ranks sum a + b either way). The peer run is a fresh
-    process: only a process's first TP run uses peer memory (peer_all_reduce.py)."""
+@pytest.mark.parametrize("fused_norm", ["1", "0"])
+def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path], fused_norm: str) -> None:
+    """bf16 (the CUDA default): all-reduces through GPU peer memory, fused with the norm
+    that follows them or not (MINISGL_FUSED_ALL_REDUCE_NORM), give the same tokens as NCCL
+    for everything (two ranks sum a + b either way). The peer run is a fresh process: only
+    a process's first TP run uses peer memory (peer_all_reduce.py)."""
     nccl = _greedy(models["target"], tp_size=2, dtype="bfloat16", disable_custom_all_reduce=True)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["MINISGL_FUSED_ALL_REDUCE_NORM"] = fused_norm
     proc = subprocess.run(
         [sys.executable, "-c", _PEER_RUN, str(models["target"])],
         capture_output=True,
@@ -116,4 +121,5 @@ def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["peer"], "the fresh process did not take the peer-memory path"
+    assert (result["fused"] > 0) == (fused_norm == "1"), result["fused"]
     assert result["out"] == nccl

@@ -1,0 +1,108 @@
+"""The fused TP all-reduce + residual add + RMSNorm kernel (kernels/all_reduce_norm.py),
+checked as one rank of a simulated group: the peers' rows and flags are put in place before
+the call, as the peers' own calls would have, so the kernel's wait ends at once.
+
+Checked against the unfused path, the rank-ordered sum followed by ``fused_add_rms_norm``
+(bit-equal where the device's casts round like torch's; see test_fused_ops.py on the
+interpreter's bfloat16 casts), plus the protocol's state: the partial sum lands in this
+rank's slot of the call's parity, every peer's flag for this rank and program is raised to
+the call's epoch, and the epochs advance by one per call. Two consecutive calls use both
+slots. The cross-GPU run (real peers through NVLink, CUDA graphs) is
+tests/gpu/test_spec_and_tp_gpu.py's TP=2 tests.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":  # the interpreter child: make `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests import kernel_checks  # noqa: E402
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+MAX_PROGRAMS = 8
+EPS = 1e-6
+
+
+def _run_group(
+    device: torch.device, dtype: torch.dtype, world: int, rank: int, rows: int, d: int, res: bool
+) -> None:
+    from minisgl.kernels.all_reduce_norm import all_reduce_add_rms_norm, programs
+    from minisgl.kernels.norm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(100 * world + 10 * rank + rows)
+    slot = rows * d + 64  # room to spare: nothing may be written past the rows
+    bufs = [torch.zeros(2 * slot, dtype=dtype, device=device) for _ in range(world)]
+    flags = [torch.zeros(world * MAX_PROGRAMS, dtype=torch.int64, device=device) for _ in bufs]
+    epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
+    buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], device=device)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], device=device)
+    weight = torch.randn(d, generator=g).to(dtype).to(device)
+    n_prog = programs(rows, d)
+    for epoch in (1, 2):
+        parts = [torch.randn(rows, d, generator=g).to(dtype).to(device) for _ in range(world)]
+        residual = torch.randn(rows, d, generator=g).to(dtype).to(device) if res else None
+        s = epoch % 2
+        for q in range(world):  # the peers' side of this call
+            if q != rank:
+                bufs[q][s * slot : s * slot + rows * d] = parts[q].reshape(-1)
+                flags[rank][q * MAX_PROGRAMS : q * MAX_PROGRAMS + n_prog] = epoch
+        out, res_out = all_reduce_add_rms_norm(
+            parts[rank], residual, weight, EPS, buf_ptrs, flag_ptrs, epochs, slot, rank
+        )
+        total = parts[0]
+        for q in range(1, world):
+            total = total + parts[q]
+        if residual is not None:
+            want, want_res = fused_add_rms_norm(total, residual, weight, EPS)
+        else:
+            want, want_res = rms_norm(total, weight, EPS), total
+        if dtype != BF16 or device.type == "cuda":
+            assert torch.equal(res_out, want_res) and torch.equal(out, want), (epoch, rank)
+        else:  # the interpreter truncates float32 -> bfloat16 (rounded sums differ by ulps)
+            torch.testing.assert_close(res_out.float(), want_res.float(), atol=4e-2, rtol=4e-2)
+            torch.testing.assert_close(out.float(), want.float(), atol=6e-2, rtol=6e-2)
+        mine = bufs[rank][s * slot : s * slot + rows * d].view(rows, d)
+        assert torch.equal(mine, parts[rank]), "the partial sum is in this rank's slot"
+        assert bufs[rank][s * slot + rows * d : (s + 1) * slot].eq(0).all(), "past the rows"
+        for q in range(world):
+            raised = flags[q][rank * MAX_PROGRAMS : (rank + 1) * MAX_PROGRAMS].cpu()
+            if q != rank:
+                assert raised[:n_prog].eq(epoch).all() and raised[n_prog:].eq(0).all()
+        assert epochs[:n_prog].eq(epoch).all() and epochs[n_prog:].eq(0).all()
+
+
+def check_two_ranks_matches_unfused(device: torch.device) -> None:
+    for dtype in (F32, F16, BF16):
+        for rank in (0, 1):
+            _run_group(device, dtype, 2, rank, rows=5, d=96, res=True)
+
+
+def check_several_programs_and_wide_rows(device: torch.device) -> None:
+    # d = 4096: one row per program, so three programs with their own flags and epochs.
+    _run_group(device, F32, 2, 1, rows=3, d=4096, res=True)
+    _run_group(device, F16, 2, 0, rows=3, d=1000, res=True)
+
+
+def check_without_residual(device: torch.device) -> None:
+    # The first layer's input norm: the embedding's partial sums, no residual yet.
+    _run_group(device, F32, 2, 0, rows=4, d=128, res=False)
+
+
+def check_four_ranks_sum_in_rank_order(device: torch.device) -> None:
+    for rank in (0, 2, 3):
+        _run_group(device, F16, 4, rank, rows=2, d=256, res=True)
+
+
+CHECKS = kernel_checks.collect(globals())
+
+
+test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+
+
+if __name__ == "__main__":
+    kernel_checks.main(CHECKS)
