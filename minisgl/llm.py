@@ -22,6 +22,7 @@ from minisgl.engine.engine import Engine, pick_device
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.stop import TokenizerDecoder
 from minisgl.speculative.report import spec_report
 from minisgl.tokenizer import load_tokenizer, render_chat, trim_stop
 
@@ -36,7 +37,7 @@ class LLM:
             self.config = config
             self.engine = Engine(config)
             self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
-            self.scheduler: Any = Scheduler(self.engine, decode=self._decode)
+            self.scheduler: Any = Scheduler(self.engine, decode=TokenizerDecoder(self.tokenizer))
         else:
             self._start_tp(config)
 
@@ -75,7 +76,10 @@ class LLM:
             self.close()
             raise
         self.scheduler = holder["mirror"] = MirroredScheduler(
-            Scheduler(self.engine, decode=_decoder(self.tokenizer)), channel
+            # Over the tokenizer, not the LLM: with TP the finalizer holds the scheduler,
+            # which must not keep the LLM alive.
+            Scheduler(self.engine, decode=TokenizerDecoder(self.tokenizer)),
+            channel,
         )
 
     def close(self) -> None:
@@ -152,6 +156,8 @@ class LLM:
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             self.scheduler.check_prompt(ids)
+        for p in params:
+            self.scheduler.grammar_matcher(p)  # a grammar that does not compile: ValueError
         items = [(ids, p) for ids, p in zip(encoded, params, strict=True) for _ in range(p.n)]
         if self._tp_teardown is not None:
             reqs: list[Req] = self.scheduler.add_requests(items)  # one message to the ranks
@@ -258,18 +264,6 @@ class LLM:
             if p.prompt_logprobs:
                 out["prompt_top_logprobs"] = [dict(t) for t in req.prompt_top_logprobs]
         return out
-
-
-def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`LLM._decode` as a closure over the tokenizer, not over the LLM: with TP the finalizer
-    holds the scheduler, which must not keep the LLM alive."""
-
-    def decode(ids: list[int]) -> str:
-        if tokenizer is None:
-            return ""
-        return str(tokenizer.decode(ids, skip_special_tokens=True))
-
-    return decode
 
 
 def _stop_tp(holder: dict[str, Any], followers: Any) -> None:

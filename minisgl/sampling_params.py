@@ -7,11 +7,13 @@ editing fields.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
 # OpenAI caps `top_logprobs` at 20; the sampler sizes a [B, K] top-k by it.
 MAX_TOP_LOGPROBS = 20
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
 
 
 def _bad(field: str, value: object, rule: str) -> ValueError:
@@ -43,6 +45,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    # Structured output (SGLang's names; at most one): the output must match a JSON schema
+    # (a JSON string), a regular expression, or an EBNF grammar (GBNF syntax). Needs the
+    # optional package xgrammar (scheduler/grammar.py).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -64,6 +72,15 @@ class SamplingParams:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field, text) of the structured-output constraint, or None."""
+        for name in GRAMMAR_FIELDS:
+            text = getattr(self, name)
+            if text is not None:
+                return name, text
+        return None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -119,3 +136,28 @@ class SamplingParams:
                 raise _bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "an integer or None")
+        self._validate_grammar()
+
+    def _validate_grammar(self) -> None:
+        given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(
+                f"{given[1]} must not be set together with {given[0]} (one of json_schema, "
+                "regex and ebnf at most)"
+            )
+        if not given:
+            return
+        name = given[0]
+        text = getattr(self, name)
+        if not isinstance(text, str) or not text.strip():
+            raise _bad(name, text, "a non-empty string")
+        if name == "json_schema":
+            try:
+                schema = json.loads(text)
+            except ValueError as e:
+                raise ValueError(f"json_schema must be a JSON document: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise _bad("json_schema", text, "a JSON object (a JSON Schema)")
+        if self.min_tokens:
+            # The grammar may allow nothing but EOS while min_tokens still forbids it.
+            raise ValueError(f"min_tokens must be 0 with {name}, got {self.min_tokens}")

@@ -41,14 +41,18 @@ class LazyDecoder:
         self.resolved, self.override = resolved, override
         self.tokenizer: Any = None
 
-    def __call__(self, ids: list[int]) -> str:
+    def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
             from minisgl.tokenizer import load_tokenizer
 
             self.tokenizer = load_tokenizer(self.resolved, self.override)
-        if self.tokenizer is None:
+        return self.tokenizer
+
+    def __call__(self, ids: list[int]) -> str:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
             return ""
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def run_rank(args: RankArgs) -> None:

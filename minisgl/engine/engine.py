@@ -18,6 +18,7 @@ from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.cuda_graph import CudaGraphRunner
+from minisgl.engine.logit_mask import apply_token_bitmask
 from minisgl.engine.sampler import (
     PenaltyState,
     SampleOutput,
@@ -300,6 +301,7 @@ class Engine:
         prompt_lp: PromptLogprobRequest | None = None,
         spec: SpecRequest | None = None,
         sample_steps: Sequence[int] = (),
+        token_bitmask: torch.Tensor | None = None,
     ) -> SampleResult | None:
         """Run the model on a batch and sample for the rows in ``sample_rows``.
 
@@ -308,7 +310,8 @@ class Engine:
         penalty state when ``use_penalties``). ``from_device`` lists (flat position, table
         row) pairs whose input token is the one the previous batch sampled for that row: it
         is read from ``last_tokens`` on the device, so a batch can be launched before the
-        previous one's samples reach the host.
+        previous one's samples reach the host. ``token_bitmask`` (host int32, a row per
+        sampling row; scheduler/grammar.py) limits each row to the tokens whose bits are set.
         """
         ends = np.cumsum(layout.extend_lens) - 1
         index_parts = [ends[np.asarray(sample_rows, dtype=np.int64)]]
@@ -352,6 +355,8 @@ class Engine:
             if prompt_lp is None and spec is None:
                 return None
             return SampleResult.start_copy(None, extra)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, self.to_device(token_bitmask))
         penalty_slots = sample_rows_dev if use_penalties else None
         out = self.sampler.sample(
             logits,

@@ -253,8 +253,9 @@ class SchedulerLoop:
         # Validate every request of the HTTP request before queueing any of them.
         try:
             params = [self._params(r.input_ids, r.params) for r in msg.reqs]
-            for r in msg.reqs:
+            for r, p in zip(msg.reqs, params, strict=True):
                 self.scheduler.check_prompt(r.input_ids)
+                self.scheduler.grammar_matcher(p)  # compiles (and caches) a bad grammar: 400
                 if r.rid in self.live:
                     raise ValueError(f"request id {r.rid} is already in use")
         except (ValueError, TypeError) as exc:

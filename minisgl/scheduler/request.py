@@ -47,6 +47,7 @@ class Req:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
+    grammar: object | None = None  # structured output's matcher (scheduler/grammar.py)
 
     @property
     def num_known(self) -> int:

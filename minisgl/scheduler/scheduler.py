@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,9 +28,10 @@ from minisgl.engine.engine import (
 )
 from minisgl.engine.sampler import SamplingRows
 from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.kv_manager import KVManager, ranges
 from minisgl.scheduler.request import Req, ReqState
-from minisgl.scheduler.stop import StopChecker
+from minisgl.scheduler.stop import StopChecker, tokenizer_of
 from minisgl.speculative.speculator import BatchRow, Proposal, make_speculator
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class _InFlight:
     output: SampleResult | None
     prompt_lp_reqs: list[tuple[Req, int]]  # (request, how many prompt logprobs it gets)
     spec_reqs: list[Req] = field(default_factory=list)  # rows verifying drafts, in row order
+    constrained: bool = False  # a sampling row has a grammar: read back before the next launch
 
 
 class Scheduler:
@@ -86,6 +89,11 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stop_checker = StopChecker(engine.model_config.eos_token_ids, decode)
+        self.grammar = GrammarBackend(
+            lambda: tokenizer_of(decode),
+            engine.model_config.vocab_size,
+            engine.model_config.eos_token_ids,
+        )
         self.rng = random.Random(cfg.seed)
         self.uids = itertools.count()
         self.admit_counter = itertools.count()
@@ -129,15 +137,27 @@ class Scheduler:
     ) -> Req:
         params.validate()
         self.check_prompt(prompt_ids)
+        matcher = self.grammar_matcher(params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
         req = Req(
             uid=next(self.uids) if uid is None else uid,
             prompt_ids=list(prompt_ids),
             params=params,
             seed=seed,
+            grammar=matcher,
         )
         self.waiting.append(req)
         return req
+
+    def grammar_matcher(self, params: SamplingParams) -> object | None:
+        """A matcher for the request's structured-output constraint (None without one);
+        ValueError if it cannot be served."""
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        if self.spec_k:
+            raise ValueError(f"{grammar[0]} is not supported with speculative decoding")
+        return self.grammar.matcher(*grammar)
 
     def abort(self, uid: int) -> Req | None:
         for req in self.waiting:
@@ -170,7 +190,8 @@ class Scheduler:
         samples are read back, so the CPU prepares step N+1 while the device runs step N.
         """
         prev, self.inflight = self.inflight, None
-        if prev is not None and not self.overlap:
+        # A constrained row's next bitmask needs the token it just sampled.
+        if prev is not None and (not self.overlap or prev.constrained):
             done = self._process(prev)
             prev = None
         else:
@@ -399,6 +420,8 @@ class Scheduler:
             proposal = self.spec.propose([BatchRow(r.req, r.extend, r.spec) for r in rows])
             spec = self._spec_request(rows, proposal)
         sampling = self._sampling_rows(sampled) if sampled else None
+        constrained = any(q.grammar is not None for q in sampled)
+        bitmask = self.grammar.bitmask([q.grammar for q in sampled]) if constrained else None
         prompt_lp = None
         if prompt_lp_reqs:
             k = max(q.params.prompt_logprobs or 0 for q, _ in prompt_lp_reqs)
@@ -416,6 +439,7 @@ class Scheduler:
             prompt_lp,
             spec,
             [q.num_generated for q in sampled],
+            bitmask,
         )
         for r in rows:
             r.req.kv_len += r.extend
@@ -427,7 +451,8 @@ class Scheduler:
         for r in rows:
             if r.extend > 1 and not r.spec:  # drafts are unverified: never cache them
                 self.kv.cache_prefix(r.req)  # share prompt prefixes with requests still waiting
-        return _InFlight(sampled, out, prompt_lp_reqs, [r.req for r in rows if r.spec])
+        spec_reqs = [r.req for r in rows if r.spec]
+        return _InFlight(sampled, out, prompt_lp_reqs, spec_reqs, constrained)
 
     def _sampling_rows(self, sampled: list[Req]) -> SamplingRows:
         """Sampling parameters of these rows; rebuilt only when the rows change (a decode
@@ -495,6 +520,8 @@ class Scheduler:
                     list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k]))
                 )
             reason = self.stop_checker.check(req, self.context_length)
+            if req.grammar is not None and _grammar_done(req, tokens[i]) and reason is None:
+                reason = "stop"
             if reason is not None:
                 self._finish(req, reason)
                 if req in self.running:
@@ -565,6 +592,17 @@ def overlap_default(device_type: str, disabled: bool) -> bool:
     """Overlap on CUDA unless switched off by the flag or MINISGL_DISABLE_OVERLAP_SCHEDULING."""
     env = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "").strip().lower()
     return device_type == "cuda" and not disabled and env not in ("1", "true", "yes", "on")
+
+
+def _grammar_done(req: Req, token: int) -> bool:
+    """Advance the request's matcher by its new token; True once the grammar is complete
+    (it accepted a stop token, or nothing can follow)."""
+    matcher: Any = req.grammar
+    if not matcher.accept_token(token):
+        # Only allowed tokens are sampled; this would be a bug, so end the request visibly.
+        logger.error("request %s sampled token %d outside its grammar", req.uid, token)
+        return True
+    return bool(matcher.is_terminated())
 
 
 def _uid(req: Req) -> int:

@@ -45,6 +45,28 @@ class StopChecker:
         return None
 
 
+class TokenizerDecoder:
+    """``decode`` over a tokenizer already loaded (or None: decodes to "")."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def __call__(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def tokenizer_of(decode: Callable[[list[int]], str] | None) -> Any:
+    """The tokenizer behind a scheduler's ``decode`` (loaded now if it loads lazily), or None.
+    Structured output builds its vocabulary tables from it."""
+    get = getattr(decode, "get_tokenizer", None)
+    return get() if get is not None else None
+
+
 class StopStringDecoder:
     """``decode`` for the scheduler's stop-string check, loaded lazily from the tokenizer copy
     the worker saves. Requests reach the scheduler only through the worker, which saves the
@@ -63,10 +85,13 @@ class StopStringDecoder:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.copy_dir))
 
-    def __call__(self, ids: list[int]) -> str:
+    def get_tokenizer(self) -> Any:
         if self.tokenizer is None:
             self._load()
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return self.tokenizer
+
+    def __call__(self, ids: list[int]) -> str:
+        return str(self.get_tokenizer().decode(ids, skip_special_tokens=True))
 
 
 def server_decoder(engine: Any, config: EngineConfig, copy_dir: str) -> Callable[[list[int]], str]:

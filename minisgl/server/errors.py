@@ -52,6 +52,13 @@ def bad_request(exc: Exception | str) -> APIError:
     return APIError(400, message, param_of(message))
 
 
+def engine_error(status: int, message: str) -> APIError:
+    """An error the scheduler reported for a request (status 0: unknown, 500); a 400 names
+    its field like the API server's own validation errors."""
+    status = status or 500
+    return APIError(status, message, param_of(message) if status == 400 else None)
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     return {
         "error": {

@@ -7,6 +7,7 @@ Shape errors are pydantic's job (reported as 400); value ranges are checked once
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from typing import Any, Literal
 
@@ -63,20 +64,29 @@ class _OpenAISampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, or SGLang's fields (at most one).
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
     # OpenAI fields this server does not implement, accepted in their neutral form only: a
     # client that relies on one gets a 400 naming it, not output that silently ignored it.
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
 
     def _refuse_unsupported(self) -> None:
         if self.logit_bias:
             raise ValueError("logit_bias must be empty: this server does not support logit bias")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(
-                f"response_format must be of type 'text', not {kind!r}: this server has no "
-                "structured output"
-            )
+
+    def _grammar_fields(self) -> dict[str, Any]:
+        fields = {"regex": self.regex, "ebnf": self.ebnf, "json_schema": self.json_schema}
+        schema = response_format_schema(self.response_format)
+        if schema is not None:
+            if any(v is not None for v in fields.values()):
+                raise ValueError(
+                    "response_format must be 'text' when regex, ebnf or json_schema is set"
+                )
+            fields["json_schema"] = schema
+        return {k: v for k, v in fields.items() if v is not None}
 
     def _base_params(self, max_tokens: int | None) -> dict[str, Any]:
         self._refuse_unsupported()
@@ -96,6 +106,7 @@ class _OpenAISampling(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "n": self.n,
+            **self._grammar_fields(),
         }
         return {k: v for k, v in fields.items() if v is not None or k == "max_tokens"}
 
@@ -196,7 +207,7 @@ def _all_token_ids(items: list[Any]) -> bool:
 
 class GenerateSamplingParams(BaseModel):
     """SGLang's `sampling_params` object; unknown keys are rejected rather than ignored, so a
-    misspelt or unsupported option (e.g. `max_tokens`, `regex`) is an error, not a surprise."""
+    misspelt or unsupported option (e.g. `max_tokens`) is an error, not a surprise."""
 
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
@@ -213,6 +224,11 @@ class GenerateSamplingParams(BaseModel):
     skip_special_tokens: bool = True
     n: int = 1
     seed: int | None = Field(default=None, alias="sampling_seed")
+    # Structured output (at most one): a JSON schema (as a JSON string), a regular
+    # expression, or an EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -259,10 +275,37 @@ class GenerateRequest(BaseModel):
             "skip_special_tokens": sp.skip_special_tokens,
             "n": sp.n,
             "seed": sp.seed,
+            "json_schema": sp.json_schema,
+            "regex": sp.regex,
+            "ebnf": sp.ebnf,
             "logprobs": self.return_logprob,
             "top_logprobs": self.top_logprobs_num if self.return_logprob else 0,
         }
         return check_sampling_fields(fields)
+
+
+def response_format_schema(response_format: dict[str, Any] | None) -> str | None:
+    """OpenAI's ``response_format`` as the JSON schema (text) the output must match, or None
+    for free text. ``json_object`` is any JSON object."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError(
+                "response_format must carry json_schema.schema (a JSON Schema object) for type "
+                "'json_schema'"
+            )
+        return json.dumps(schema)
+    raise ValueError(
+        f"response_format must be of type 'text', 'json_object' or 'json_schema', not {kind!r}"
+    )
 
 
 def check_sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:

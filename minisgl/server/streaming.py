@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from minisgl.ipc.messages import TextOutput
-from minisgl.server.errors import APIError, sse_error
+from minisgl.server.errors import engine_error, sse_error
 from minisgl.server.frontend import ClientGone, RequestGroup, SequenceResult
 from minisgl.speculative.report import spec_report
 
@@ -98,7 +98,7 @@ async def respond(
     try:
         first = await group.first()
         if first.error is not None:
-            raise APIError(first.error_status or 500, first.error)
+            raise engine_error(first.error_status, first.error)
         if stream:
             handed_over = True  # from here on the response closes the group
             return SSEResponse(make_stream(group, first), on_close=finish)
@@ -107,7 +107,7 @@ async def respond(
             raise ClientGone()
         failed = next((r for r in results if r.error is not None), None)
         if failed is not None:
-            raise APIError(failed.error_status or 500, failed.error or "request failed")
+            raise engine_error(failed.error_status, failed.error or "request failed")
         return JSONResponse(make_full(results))
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)

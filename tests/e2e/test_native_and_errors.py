@@ -105,7 +105,9 @@ BAD_REQUESTS: list[tuple[str, str, Any]] = [
     ("generate unknown param", "/generate", {"text": "hi", "sampling_params": {"max_tokens": 2}}),
     ("seed too large", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 2**70}),
     ("logit_bias", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": 1.0}}),
-    ("json output", "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "json_object"}}),
+    ("unknown output format", "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "xml"}}),
+    ("json_schema not JSON", "/v1/chat/completions", {**GOOD_CHAT, "json_schema": "{oops"}),
+    ("regex that does not compile", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "regex": "(["}),
     ("tools", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}),
 ]  # fmt: skip
 

@@ -4,6 +4,7 @@ parameters, the IPC message codec, and the command line."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -78,7 +79,11 @@ def test_chat_message_parts_and_roles() -> None:
         ({"frequency_penalty": 3}, "frequency_penalty"),
         # Not implemented: refused by name rather than silently ignored.
         ({"logit_bias": {"42": 5.0}}, "logit_bias"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "response_format"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
+        ({"json_schema": "{oops"}, "json_schema"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
@@ -200,3 +205,18 @@ def test_neutral_forms_of_unimplemented_fields_are_accepted() -> None:
     neutral = dict(logit_bias={}, response_format={"type": "text"}, tools=[], tool_choice="auto")
     ChatCompletionRequest(messages=MSG, **neutral).sampling_fields()
     CompletionRequest(prompt="a", logit_bias={}, response_format={"type": "text"}).sampling_fields()
+
+
+def test_response_format_becomes_a_json_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    fields = ChatCompletionRequest(messages=MSG, response_format=fmt).sampling_fields()
+    assert json.loads(fields["json_schema"]) == schema
+    fields = CompletionRequest(
+        prompt="a", response_format={"type": "json_object"}
+    ).sampling_fields()
+    assert json.loads(fields["json_schema"]) == {"type": "object"}
+    fields = CompletionRequest(prompt="a", regex="[0-9]+").sampling_fields()
+    assert fields["regex"] == "[0-9]+" and fields["json_schema"] is None
+    native = GenerateRequest(text="a", sampling_params={"ebnf": 'root ::= "a"'})
+    assert native.sampling_fields()["ebnf"] == 'root ::= "a"'
