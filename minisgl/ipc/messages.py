@@ -53,6 +53,7 @@ class SubmitItem:
     params: dict[str, Any] = field(default_factory=dict)
     return_prompt_text: bool = False  # completions echo
     return_prompt_tokens: bool = False  # echo + logprobs: the prompt's token strings
+    tools: list[dict[str, Any]] | None = None  # chat: passed to the template
 
 
 @message

@@ -67,7 +67,7 @@ class GrammarBackend:
                 compiled = compiler.compile_grammar(text)
             else:
                 raise ValueError(f"unknown grammar kind {kind!r}")
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - xgrammar raises several types for bad input
             what = {"json_schema": "JSON schema", "regex": "regular expression"}.get(kind, kind)
             # xgrammar prefixes its messages with a time and a C++ source location.
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())

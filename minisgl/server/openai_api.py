@@ -17,6 +17,7 @@ from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, choice_params
 from minisgl.server.state import server_state
 from minisgl.server.streaming import respond, sse, sse_stream, usage
+from minisgl.server.tool_calls import StreamingToolParser, parse_tool_calls
 
 router = APIRouter()
 
@@ -91,31 +92,39 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = server_state(request)
     try:
         fields = body.sampling_fields()
+        messages = body.message_dicts()
     except ValueError as exc:
         raise bad_request(exc) from None
     n = fields["n"]
     items = make_items(
-        [body.message_dicts()],
-        [choice_params(fields, i) for i in range(n)],
-        **body.template_fields(),
+        [messages], [choice_params(fields, i) for i in range(n)], **body.template_fields()
     )
     group = state.submit(items)
     env = _Envelope(
         f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), state.served_model_name
     )
     state.frontend.name(group, env.id)  # for /abort_request
+    tools = body.uses_tools
 
     def full(results: list[SequenceResult]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
-                "finish_reason": r.finish_reason,
-                "matched_stop": r.matched_stop,
-            }
-            for i, r in enumerate(results)
-        ]
+        choices = []
+        for i, r in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            finish = r.finish_reason
+            if tools:
+                message["content"], calls = parse_tool_calls(r.text)
+                if calls:
+                    message["tool_calls"] = calls
+                    finish = "tool_calls" if finish == "stop" else finish
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": chat_logprobs(r.logprobs) if body.logprobs else None,
+                    "finish_reason": finish,
+                    "matched_stop": r.matched_stop,
+                }
+            )
         return env.wrap(choices, usage=usage(results, n, state.speculative))
 
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
@@ -130,12 +139,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
         yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
         results = [SequenceResult() for _ in group.rids]
+        parsers = [StreamingToolParser() for _ in range(n)] if tools else None
 
         def render(i: int, out: TextOutput) -> str | None:
-            delta = {"content": out.text} if out.text else {}
+            text, finish = out.text, out.finish_reason
+            calls: list[dict[str, Any]] = []
+            if parsers is not None:
+                text = parsers[i].feed(text)
+                if out.finished:
+                    rest, calls = parsers[i].finish()
+                    text += rest
+                    finish = "tool_calls" if calls and finish == "stop" else finish
+            delta: dict[str, Any] = {"content": text} if text else {}
             logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
             if out.finished:
-                return chunk(i, delta, logprobs, out.finish_reason)
+                if calls:  # each call whole, in one delta (OpenAI allows arguments in pieces)
+                    delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                return chunk(i, delta, logprobs, finish)
             return chunk(i, delta, logprobs) if delta or logprobs else None
 
         def tail() -> str | None:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from minisgl.sampling_params import SamplingParams
+from minisgl.server.tool_calls import call_grammar, check_tools
 
 MAX_N = 128  # choices per request: more is almost surely a mistake, and each one costs KV
 # Seeds cross IPC as 64-bit integers; choice i of an n > 1 request uses seed + i, so leave room.
@@ -33,6 +34,20 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it: text content; earlier calls with their
+        arguments as objects (templates serialise them; OpenAI sends JSON strings)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -121,12 +136,18 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None  # refused unless empty (see _refuse_unsupported)
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools (server/tool_calls.py)
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted; a forced choice makes one call
     # vLLM / SGLang chat extensions, applied when the tokenizer worker renders the template.
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools go to the template and the reply is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def template_fields(self) -> dict[str, Any]:
         """The SubmitItem fields that shape how the conversation is rendered."""
@@ -134,14 +155,23 @@ class ChatCompletionRequest(_OpenAISampling):
             "chat_template_kwargs": self.chat_template_kwargs,
             "continue_final_message": self.continue_final_message,
             "add_generation_prompt": self.add_generation_prompt,
+            "tools": self.tools if self.uses_tools else None,
         }
 
     def _refuse_unsupported(self) -> None:
         super()._refuse_unsupported()
-        if self.tools:
-            raise ValueError("tools must be empty: this server does not support function calling")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice must be 'none' or 'auto': this server has no tools")
+        check_tools(self.tools or [], self.tool_choice)
+
+    def _grammar_fields(self) -> dict[str, Any]:
+        fields = super()._grammar_fields()
+        grammar = call_grammar(self.tools or [], self.tool_choice) if self.tools else None
+        if grammar is not None:
+            if fields:
+                raise ValueError(
+                    "tool_choice must be 'auto' or 'none' when the output format is constrained"
+                )
+            fields["ebnf"] = grammar
+        return fields
 
     def sampling_fields(self) -> dict[str, Any]:
         max_tokens = (
@@ -156,8 +186,8 @@ class ChatCompletionRequest(_OpenAISampling):
         fields["top_logprobs"] = self.top_logprobs or 0
         return check_sampling_fields(fields)
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.as_dict() for m in self.messages]
 
 
 class CompletionRequest(_OpenAISampling):
@@ -282,6 +312,19 @@ class GenerateRequest(BaseModel):
             "top_logprobs": self.top_logprobs_num if self.return_logprob else 0,
         }
         return check_sampling_fields(fields)
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function")
+    if not isinstance(fn, dict):
+        raise ValueError("tool_calls must be objects with a 'function' object")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ValueError("tool_calls must carry function.arguments as JSON") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def response_format_schema(response_format: dict[str, Any] | None) -> str | None:

@@ -48,6 +48,7 @@ def render_chat(
     template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation through the model's chat template. ``template_kwargs`` go to
     the template itself (e.g. Qwen3's ``enable_thinking``); ``continue_final_message`` leaves
@@ -67,6 +68,7 @@ def render_chat(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=True,
+        tools=tools,
         **kwargs,
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

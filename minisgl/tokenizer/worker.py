@@ -190,6 +190,7 @@ class Worker:
                 item.chat_template_kwargs,
                 item.continue_final_message,
                 item.add_generation_prompt,
+                item.tools,
             )
         return list(self.tokenizer.encode(item.text or "", add_special_tokens=True))
 

@@ -108,7 +108,8 @@ BAD_REQUESTS: list[tuple[str, str, Any]] = [
     ("unknown output format", "/v1/chat/completions", {**GOOD_CHAT, "response_format": {"type": "xml"}}),
     ("json_schema not JSON", "/v1/chat/completions", {**GOOD_CHAT, "json_schema": "{oops"}),
     ("regex that does not compile", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "regex": "(["}),
-    ("tools", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("tool without a name", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {}}]}),
+    ("tool_choice naming no tool", "/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}),
 ]  # fmt: skip
 
 

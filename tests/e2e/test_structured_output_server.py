@@ -135,3 +135,81 @@ def test_grammar_that_does_not_compile_is_400(
     )
     assert status == 200, good
     wait_idle_and_check(default_server)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_choice_required_and_named(client: openai.OpenAI) -> None:
+    for choice, name in [("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")]:  # fmt: skip
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=WEATHER_Q,  # type: ignore[arg-type]
+            tools=[WEATHER, TIME],  # type: ignore[list-item]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=64,
+            temperature=0,
+        )
+        choice0 = out.choices[0]
+        assert choice0.finish_reason == "tool_calls", choice0
+        calls = choice0.message.tool_calls or []
+        assert len(calls) == 1 and calls[0].type == "function"
+        fn = calls[0].function  # type: ignore[union-attr]
+        if name is not None:
+            assert fn.name == name
+        schema = {"get_weather": WEATHER, "get_time": TIME}[fn.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(fn.arguments), schema)
+
+
+def test_tool_call_streamed_and_answered(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_Q,  # type: ignore[arg-type]
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["tool_calls"]
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].function is not None
+    assert deltas[0].function.name == "get_weather"
+    args = deltas[0].function.arguments or ""
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in content
+    # The conversation goes on with the call and its result (rendered by the template).
+    follow = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *WEATHER_Q,
+            {"role": "assistant", "content": None, "tool_calls": [{"id": deltas[0].id or "call_0", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": deltas[0].id or "call_0", "content": "Sunny, 21 C"},
+        ],  # type: ignore[list-item]
+        tools=[WEATHER],  # type: ignore[list-item]
+        max_tokens=16,
+        temperature=0,
+    )  # fmt: skip
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")

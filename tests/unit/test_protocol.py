@@ -84,7 +84,7 @@ def test_chat_message_parts_and_roles() -> None:
         ({"response_format": {"type": "json_object"}, "regex": "a"}, "response_format"),
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "ebnf"),
         ({"json_schema": "{oops"}, "json_schema"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
 )

@@ -159,6 +159,28 @@ def test_tp2_matches_tp1_and_ranks_agree(
     _assert_exits(pid)
 
 
+def test_tp2_structured_output_matches_tp1(models: dict[str, Path]) -> None:
+    """Every rank keeps its own grammar matchers, fed the same tokens: constrained requests
+    (mixed with a free one) give TP=1's tokens. The tiny tokenizer's words are t3, t4, ...:
+    the regex allows one of t10..t19, then one of t20..t29, then only EOS (</s>, id 2)."""
+    pytest.importorskip("xgrammar")
+    path = str(models["llama"])
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, regex="t1[0-9]t2[0-9]"),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=8, regex="t1[0-9]t2[0-9]"),
+        _greedy(6),
+    ]
+    prompts = [[5, 6, 7], [8, 9], [10, 11]]
+    ref = LLM(path, **OPTIONS).generate(prompts, params)
+    for out in ref[:2]:
+        ids = out["token_ids"]
+        assert 10 <= ids[0] <= 19 and 20 <= ids[1] <= 29 and ids[2:] == [2], ids
+        assert out["finish_reason"] == "stop"
+    with LLM(path, tp_size=2, **OPTIONS) as llm:
+        assert llm.generate(prompts, params) == ref
+        assert_engine_clean(llm)
+
+
 def test_tp2_dummy_weights_are_the_tp1_model(models: dict[str, Path]) -> None:
     """--load-format dummy: each rank loads its shard of one random checkpoint, so TP=2 gives
     TP=1's greedy tokens (benchmarks compare the two on dummy weights)."""
