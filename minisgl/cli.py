@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", default=None, help="model name in API responses")
     server.add_argument("--shell", action="store_true", help="interactive chat shell, no server")
     server.add_argument(
+        "--reasoning-parser", default=None, choices=["qwen3", "deepseek-r1"],
+        help="chat replies: put the model's thinking (<think>...</think>) in reasoning_content",
+    )  # fmt: skip
+    server.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"],
         help="logging verbosity",
     )  # fmt: skip
@@ -184,5 +188,6 @@ def main(argv: list[str] | None = None) -> int:
             request_timeout=args.request_timeout,
             max_request_bytes=args.max_request_bytes,
             shutdown_timeout=args.shutdown_timeout,
+            reasoning_parser=args.reasoning_parser,
         ),
     )  # fmt: skip

@@ -58,6 +58,7 @@ class ServerArgs:
     request_timeout: float | None = None  # seconds from arrival to abort
     max_request_bytes: int = 8 << 20
     shutdown_timeout: float = 30.0  # SIGTERM: how long running requests may still take
+    reasoning_parser: str | None = None  # chat replies: thinking into reasoning_content
 
     def __repr__(self) -> str:
         shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr]
@@ -321,7 +322,7 @@ def _make_server(
     )
     metrics = ServerMetrics()
     frontend = Frontend(runtime.addresses, metrics, args.request_timeout)
-    state = ServerState(info, frontend, metrics, int(time.time()))
+    state = ServerState(info, frontend, metrics, int(time.time()), args.reasoning_parser)
 
     def on_started() -> None:
         from minisgl.ipc.child import freeze_startup_heap

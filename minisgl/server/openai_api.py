@@ -12,12 +12,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from minisgl.ipc.messages import TextOutput, TokenLogprob
+from minisgl.server.chat_reply import ChatReplyParser
 from minisgl.server.errors import bad_request
 from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, choice_params
 from minisgl.server.state import server_state
 from minisgl.server.streaming import respond, sse, sse_stream, usage
-from minisgl.server.tool_calls import StreamingToolParser, parse_tool_calls
 
 router = APIRouter()
 
@@ -104,18 +104,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), state.served_model_name
     )
     state.frontend.name(group, env.id)  # for /abort_request
-    tools = body.uses_tools
+    reasoning = state.reasoning_parser if body.separate_reasoning else None
+
+    def parser() -> ChatReplyParser | None:
+        if reasoning is None and not body.uses_tools:
+            return None
+        return ChatReplyParser(reasoning, body.uses_tools)
 
     def full(results: list[SequenceResult]) -> dict[str, Any]:
         choices = []
         for i, r in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": r.text}
             finish = r.finish_reason
-            if tools:
-                message["content"], calls = parse_tool_calls(r.text)
-                if calls:
-                    message["tool_calls"] = calls
-                    finish = "tool_calls" if finish == "stop" else finish
+            reply = parser()
+            if reply is not None:
+                fields, calls = reply.whole(r.text)
+                message.update(fields)
+                finish = "tool_calls" if calls and finish == "stop" else finish
             choices.append(
                 {
                     "index": i,
@@ -139,18 +144,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
         yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
         results = [SequenceResult() for _ in group.rids]
-        parsers = [StreamingToolParser() for _ in range(n)] if tools else None
+        parsers = [parser() for _ in range(n)]
 
         def render(i: int, out: TextOutput) -> str | None:
-            text, finish = out.text, out.finish_reason
+            finish, reply = out.finish_reason, parsers[i]
             calls: list[dict[str, Any]] = []
-            if parsers is not None:
-                text = parsers[i].feed(text)
+            delta: dict[str, Any] = {"content": out.text} if out.text else {}
+            if reply is not None:
+                delta = dict(reply.feed(out.text))
                 if out.finished:
-                    rest, calls = parsers[i].finish()
-                    text += rest
+                    last, calls = reply.finish()
+                    for key, value in last.items():
+                        delta[key] = delta.get(key, "") + value
                     finish = "tool_calls" if calls and finish == "stop" else finish
-            delta: dict[str, Any] = {"content": text} if text else {}
             logprobs = chat_logprobs(out.logprobs) if body.logprobs and out.logprobs else None
             if out.finished:
                 if calls:  # each call whole, in one delta (OpenAI allows arguments in pieces)

@@ -143,6 +143,8 @@ class ChatCompletionRequest(_OpenAISampling):
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     continue_final_message: bool = False
     add_generation_prompt: bool = True
+    # With --reasoning-parser: thinking goes to reasoning_content (false: left in content).
+    separate_reasoning: bool = True
 
     @property
     def uses_tools(self) -> bool:

@@ -27,6 +27,7 @@ class ServerState:
     frontend: Frontend
     metrics: ServerMetrics
     created: int
+    reasoning_parser: str | None = None  # server/reasoning.py
 
     @property
     def served_model_name(self) -> str:

@@ -2,17 +2,24 @@
 driven by the official openai client, SGLang's ``regex`` / ``ebnf`` / ``json_schema`` on
 /generate and as OpenAI extras; outputs checked with ``jsonschema`` and ``re.fullmatch``.
 A grammar that does not compile is a 400 naming the field, and the server keeps serving with
-no KV page held."""
+no KV page held. Tool calls (forced by tool_choice, so a model that never calls tools on its
+own still does) and reasoning_content (forced by a grammar) ride on the same mechanism."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.e2e.server_utils import ServerHandle, wait_idle_and_check
+from tests.e2e.server_utils import (
+    ServerHandle,
+    assert_clean_log,
+    start_server,
+    wait_idle_and_check,
+)
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -213,3 +220,35 @@ def test_tool_call_streamed_and_answered(client: openai.OpenAI) -> None:
         temperature=0,
     )  # fmt: skip
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.fixture(scope="module")
+def thinking_server() -> Iterator[ServerHandle]:
+    """The default model behind --reasoning-parser qwen3; its replies are made to think by a
+    grammar (SmolLM2 does not think on its own)."""
+    server = start_server(["--served-model-name", MODEL, "--reasoning-parser", "qwen3"])
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+    assert_clean_log(server)
+
+
+THINK = 'root ::= "<think>" [a-z]{1,12} " " [a-z]{1,12} "</think>" "\\n\\n" ("Paris" | "Lyon") "."'
+
+
+def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
+    client = openai.OpenAI(base_url=thinking_server.url("/v1"), api_key="none", max_retries=0)
+    ask = {"model": MODEL, "messages": ASK, "max_tokens": 48, "temperature": 0}
+    out = client.chat.completions.create(**ask, extra_body={"ebnf": THINK})  # type: ignore[call-overload]
+    message = out.choices[0].message
+    thought = (message.model_extra or {}).get("reasoning_content")
+    assert re.fullmatch(r"[a-z]+ [a-z]+", thought or ""), message
+    assert message.content in ("Paris.", "Lyon."), message
+    stream = client.chat.completions.create(**ask, stream=True, extra_body={"ebnf": THINK})  # type: ignore[call-overload]
+    chunks = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == thought
+    assert "".join(d.content or "" for d in chunks) == message.content
+    kept = client.chat.completions.create(
+        **ask, extra_body={"ebnf": THINK, "separate_reasoning": False}
+    )  # type: ignore[call-overload]
+    assert kept.choices[0].message.content == f"<think>{thought}</think>\n\n{message.content}"
+    wait_idle_and_check(thinking_server)

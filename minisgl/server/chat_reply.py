@@ -1,0 +1,57 @@
+"""A chat reply as the OpenAI message carries it: thinking in ``reasoning_content``
+(server/reasoning.py), tool calls in ``tool_calls`` (server/tool_calls.py), the rest in
+``content``. One parser per choice serves both streamed and whole replies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from minisgl.server.reasoning import StreamingReasoningParser
+from minisgl.server.tool_calls import StreamingToolParser
+
+
+class ChatReplyParser:
+    def __init__(self, reasoning_parser: str | None, tools: bool) -> None:
+        self.reasoning = StreamingReasoningParser(reasoning_parser) if reasoning_parser else None
+        self.tools = StreamingToolParser() if tools else None
+
+    def feed(self, text: str) -> dict[str, str]:
+        """The delta fields this piece of the reply makes certain (possibly none)."""
+        reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
+        return self._delta(reasoning, content)
+
+    def finish(self) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """(the last delta fields, tool calls) once the reply is complete."""
+        reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
+        delta = self._delta(reasoning, content)
+        calls: list[dict[str, Any]] = []
+        if self.tools is not None:
+            rest, calls = self.tools.finish()
+            if rest:
+                delta["content"] = delta.get("content", "") + rest
+        return delta, calls
+
+    def _delta(self, reasoning: str, content: str) -> dict[str, str]:
+        if self.tools is not None and content:
+            content = self.tools.feed(content)
+        delta = {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        return delta
+
+    def whole(self, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(message fields, tool calls) of a complete reply."""
+        first = self.feed(text)
+        last, calls = self.finish()
+        message: dict[str, Any] = {
+            "content": first.get("content", "") + last.get("content", ""),
+        }
+        if self.reasoning is not None:
+            thought = first.get("reasoning_content", "") + last.get("reasoning_content", "")
+            message["reasoning_content"] = thought if self.reasoning.saw_reasoning else None
+        if calls:
+            message["content"] = message["content"].strip() or None
+            message["tool_calls"] = calls
+        return message, calls
