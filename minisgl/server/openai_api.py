@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +86,20 @@ def completion_logprobs(
     }
 
 
+def stream_usage(
+    body: ChatCompletionRequest | CompletionRequest,
+    results: list[SequenceResult],
+    n: int,
+    speculative: bool,
+) -> Callable[[], dict[str, Any]]:
+    """The usage field of a streamed chunk: the running usage with continuous_usage_stats,
+    null when only the final usage chunk carries it, absent otherwise."""
+    if body.continuous_usage:
+        return lambda: {"usage": usage(results, n, speculative)}
+    fields: dict[str, Any] = {"usage": None} if body.include_usage else {}
+    return lambda: fields
+
+
 # ---------------------------------------------------------------- chat
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -134,16 +148,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
         chunk_env = _Envelope(env.id, "chat.completion.chunk", env.created, env.model)
-        extra = {"usage": None} if body.include_usage else {}
+        results = [SequenceResult(prompt_tokens=first.prompt_tokens) for _ in group.rids]
+        extra = stream_usage(body, results, n, state.speculative)
 
         def chunk(
             i: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
         ) -> str:
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return sse(chunk_env.wrap([choice], **extra))
+            return sse(chunk_env.wrap([choice], **extra()))
 
         yield "".join(chunk(i, {"role": "assistant", "content": ""}) for i in range(n))
-        results = [SequenceResult() for _ in group.rids]
         parsers = [parser() for _ in range(n)]
 
         def render(i: int, out: TextOutput) -> str | None:
@@ -220,13 +234,13 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return env.wrap(choices, usage=usage(results, n, state.speculative))
 
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
-        extra = {"usage": None} if body.include_usage else {}
         results = [SequenceResult() for _ in group.rids]
+        extra = stream_usage(body, results, n, state.speculative)
         offsets = [0] * len(group.rids)
 
         def choice_chunk(i: int, text: str, logprobs: Any, finish: str | None) -> str:
             choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return sse(env.wrap([choice], **extra))
+            return sse(env.wrap([choice], **extra()))
 
         def render(i: int, out: TextOutput) -> str | None:
             text = out.text

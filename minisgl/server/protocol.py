@@ -23,6 +23,7 @@ SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: running usage in every chunk
 
 
 class TextContentPart(BaseModel):
@@ -128,6 +129,12 @@ class _OpenAISampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)."""
+        opts = self.stream_options
+        return bool(self.stream and opts and opts.continuous_usage_stats)
 
 
 class ChatCompletionRequest(_OpenAISampling):

@@ -106,6 +106,35 @@ def test_chat_stream_with_usage(
     assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
 
 
+def test_continuous_usage_stats(client: openai.OpenAI, tokenizer: Any) -> None:
+    """vLLM's continuous_usage_stats: every chunk carries the usage so far; completion tokens
+    never go down and end at the final usage chunk's count."""
+    prompt_tokens = chat_prompt_tokens(tokenizer, QUESTION)
+    for create in (client.chat.completions.create, client.completions.create):
+        kwargs: dict[str, Any] = (
+            {"messages": QUESTION}
+            if create == client.chat.completions.create
+            else {"prompt": PROMPT}
+        )
+        stream = create(
+            model=MODEL, max_tokens=8, temperature=0, stream=True, **kwargs,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )  # fmt: skip
+        chunks = list(stream)
+        assert all(ch.usage is not None for ch in chunks)
+        counts = [ch.usage.completion_tokens for ch in chunks]  # type: ignore[union-attr]
+        assert counts == sorted(counts) and counts[-1] > 0
+        final = chunks[-1].usage
+        assert chunks[-1].choices == [] and final is not None
+        assert max(counts[:-1]) == final.completion_tokens
+        if "messages" in kwargs:
+            assert all(ch.usage.prompt_tokens == prompt_tokens for ch in chunks)  # type: ignore[union-attr]
+        assert all(
+            ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens
+            for ch in chunks
+        )  # type: ignore[union-attr]
+
+
 def test_completions_prompt_forms_and_echo(client: openai.OpenAI, tokenizer: Any) -> None:
     ids = tokenizer.encode(PROMPT)
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
