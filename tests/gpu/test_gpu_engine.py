@@ -220,3 +220,30 @@ def test_pdl_on_off_identical(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> No
         assert_engine_clean(llm)
     pdl.pdl_enabled.cache_clear()
     assert outs[0] == outs[1]
+
+
+def test_structured_output_on_gpu(tiny: Path) -> None:
+    """Constrained rows (bf16 logits masked on the device) next to free ones: with CUDA graphs
+    and overlap scheduling (constrained batches read back before the next launch) the tokens
+    equal those of eager, non-overlapped runs, and each constrained row follows its regex
+    (the tiny tokenizer's words are t3, t4, ...; then EOS, id 2)."""
+    pytest.importorskip("xgrammar")
+    prompts = [[5, 6, 7], [8, 9], list(range(10, 60)), [11, 12]]
+    params = [
+        SamplingParams(temperature=0, max_tokens=8, regex="t1[0-9]t2[0-9]"),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=8, regex="(t1[0-9]){2,3}"),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, regex="t1[0-9]t2[0-9]"),
+    ]
+    runs = []
+    for options in (dict(), dict(cuda_graph_max_bs=0, disable_overlap_scheduling=True)):
+        llm = LLM(str(tiny), dtype="bfloat16", **options)  # type: ignore[arg-type]
+        runs.append([r["token_ids"] for r in llm.generate(prompts, params)])
+        assert_engine_clean(llm)
+        llm.close()
+    assert runs[0] == runs[1]
+    first, second, _, fourth = runs[0]
+    for ids in (first, fourth):
+        assert 10 <= ids[0] <= 19 and 20 <= ids[1] <= 29 and ids[2:] == [2], ids
+    assert 2 <= len(second) - 1 <= 3 and second[-1] == 2
+    assert all(10 <= t <= 19 for t in second[:-1]), second
