@@ -22,16 +22,66 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels.norm import row_tile
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
 
 
+@triton.jit
+def _mul_rn(a, b, ASM: tl.constexpr):
+    # An explicitly rounded product is never contracted into an FMA, so the sum of squares
+    # rounds as in kernels/norm.py (compiled without FMA contraction) inside this kernel
+    # (compiled with it). Triton's interpreter has no inline assembly (and no contraction).
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return a * b
+
+
+@triton.jit
+def _add_rms_norm_epilogue(
+    y_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols, stride_ym,
+    eps, NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    # Every program has stored its columns of y; the last one to finish adds the residual
+    # and normalises whole rows, with the arithmetic and tile of kernels/norm.py (the same
+    # bits), so the norm kernel that would follow is not launched. The barrier and the
+    # acquire-release count order every program's stores before the last one's loads.
+    tl.debug_barrier()
+    finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if finished == tl.num_programs(0) - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        dtype = y_ptr.dtype.element_ty
+        cols = tl.arange(0, NORM_N)
+        col_mask = cols < n_cols
+        for r0 in range(0, rows, NORM_M):
+            rr = r0 + tl.arange(0, NORM_M)
+            mask = (rr < rows)[:, None] & col_mask[None, :]
+            off = (rr * n_cols)[:, None] + cols[None, :]
+            y_off = (rr * stride_ym)[:, None] + cols[None, :]
+            x = tl.load(y_ptr + y_off, mask=mask, other=0.0, volatile=True)  # not from L1
+            r = tl.load(res_ptr + off, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            tl.store(res_out_ptr + off, x, mask=mask)
+            xf = x.to(tl.float32)
+            var = tl.sum(_mul_rn(xf, xf, ASM), axis=1) / n_cols
+            rstd = tl.rsqrt(var + eps)
+            yn = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+            w = tl.load(nw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            out = (yn * w[None, :]).to(norm_out_ptr.dtype.element_ty)
+            tl.store(norm_out_ptr + off, out, mask=mask)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
+    res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, eps,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
@@ -85,6 +135,11 @@ def _gemv_kernel(
         y = act * up.to(dtype).to(tl.float32)
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+    if NORM:
+        _add_rms_norm_epilogue(
+            out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
+            stride_om, eps, NORM_M, NORM_N, ASM,
+        )  # fmt: skip
 
 
 Tiles = GemvTiles
@@ -125,6 +180,46 @@ def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
     return 1, 8, 512, 4, 4
 
 
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: Tiles | None,
+    gated: bool,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    rows, k_dim = x.shape
+    n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
+    assert not gated or weight.shape[0] % 2 == 0
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    normed = res_out = None
+    block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
+    norm_m, norm_n = 1, 1
+    residual, norm_weight, eps = out, out, 0.0
+    if norm is not None:
+        residual, norm_weight, eps = norm
+        norm_m, norm_n, norm_warps = row_tile(n_cols)
+        assert norm_warps == warps and residual.is_contiguous() and residual.shape == out.shape
+        normed = torch.empty_like(out, dtype=torch.promote_types(x.dtype, norm_weight.dtype))
+        res_out = torch.empty_like(out)
+    if rows == 0:
+        return out, normed, res_out
+    _gemv_kernel[(cdiv(n_cols, block_n),)](
+        x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
+        x.stride(0), weight.stride(0), out.stride(0),
+        residual, norm_weight, normed if normed is not None else out,
+        res_out if res_out is not None else out,
+        _counter(x.device) if norm is not None else out, eps,
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, NORM=norm is not None, NORM_M=norm_m, NORM_N=norm_n,
+        ASM=not _interpreting(), num_warps=warps, num_stages=stages, **pdl_args(),
+    )  # fmt: skip
+    return out, normed, res_out
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -134,20 +229,42 @@ def gemv(
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     ``gated``: weight is [gate; up] (N = 2I) and the result is silu(gate) * up, [M, I]."""
-    rows, k_dim = x.shape
-    n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
-    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
-    assert not gated or weight.shape[0] % 2 == 0
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
-    if rows == 0:
-        return out
+    return _launch(x, weight, bias, tiles, gated)[0]
+
+
+def norm_fusable(n_cols: int, tiles: Tiles | None, rows: int = 1) -> bool:
+    """Whether ``gemv_add_rms_norm`` can take this product: the norm's tile (kernels/norm.py,
+    which fixes its reduction order) must run with the GEMV's warp count."""
     block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
-    _gemv_kernel[(cdiv(n_cols, block_n),)](
-        x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
-    )  # fmt: skip
-    return out
+    return row_tile(n_cols)[2] == warps
+
+
+def gemv_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: Tiles | None,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(y + residual) * norm_weight, y + residual) for y = x weight^T, in one kernel:
+    the same bits as ``gemv`` followed by kernels/norm.py's ``fused_add_rms_norm``."""
+    _, normed, res_out = _launch(x, weight, None, tiles, False, (residual, norm_weight, eps))
+    assert normed is not None and res_out is not None
+    return normed, res_out
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The finished-program count the norm epilogue uses (the last program resets it; the
+    calls on a device run one after another on its stream). Allocated by the first, eager
+    call: CUDA graphs capture the warm-up run's launches, never the first."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -7,13 +7,19 @@ checkpoint tensor into it, so loading never materialises the full merged weight.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.kernels import GemvTiles
+from minisgl.layers import cpu_linear
 from minisgl.layers.cpu_linear import linear
+
+if TYPE_CHECKING:
+    from minisgl.layers.norm import RMSNorm
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
@@ -113,6 +119,29 @@ class RowParallelLinear(nn.Module):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(norm(y + residual), y + residual) for y = this layer's product of ``x``, taken in
+        one GEMV kernel with the add and the norm in its epilogue (kernels/gemv.py), or None
+        where that does not apply: TP > 1 (the all-reduce fuses with the norm instead), a
+        bias, more than one row, no GEMV for this layer, MINISGL_FUSED_GEMV_NORM off."""
+        if (
+            not cpu_linear.FUSED_GEMV_NORM
+            or self.gemv_tiles is None
+            or self.tp.size != 1
+            or self.bias is not None
+            or x.dim() != 2
+            or x.shape[0] != 1
+            or not residual.is_contiguous()
+        ):
+            return None
+        from minisgl.kernels.gemv import gemv_add_rms_norm, norm_fusable
+
+        if not norm_fusable(self.weight.shape[0], self.gemv_tiles):
+            return None
+        return gemv_add_rms_norm(x, self.weight, self.gemv_tiles, residual, norm.weight, norm.eps)
+
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce (fused with
         the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
@@ -124,3 +153,16 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+@dataclass
+class RowParallelProduct:
+    """A row-parallel layer's input whose product is not taken yet: the residual add +
+    RMSNorm that follows takes it, fused with the GEMV where it can (RMSNorm.add_norm)."""
+
+    layer: RowParallelLinear
+    x: torch.Tensor
+
+    def partial_sum(self) -> torch.Tensor:
+        """The product: this rank's partial sum (all-reduced by the norm)."""
+        return self.layer(self.x, reduce=False)
