@@ -16,29 +16,18 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels.all_reduce_norm import exchange, mul_rn, publish, sum_add_norm
 from minisgl.kernels.norm import row_tile
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
-
-
-@triton.jit
-def _mul_rn(a, b, ASM: tl.constexpr):
-    # An explicitly rounded product is never contracted into an FMA, so the sum of squares
-    # rounds as in kernels/norm.py (compiled without FMA contraction) inside this kernel
-    # (compiled with it). Triton's interpreter has no inline assembly (and no contraction).
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return a * b
 
 
 @triton.jit
@@ -67,7 +56,7 @@ def _add_rms_norm_epilogue(
             x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
             tl.store(res_out_ptr + off, x, mask=mask)
             xf = x.to(tl.float32)
-            var = tl.sum(_mul_rn(xf, xf, ASM), axis=1) / n_cols
+            var = tl.sum(mul_rn(xf, xf, ASM), axis=1) / n_cols
             rstd = tl.rsqrt(var + eps)
             yn = (xf * rstd[:, None]).to(dtype).to(tl.float32)
             w = tl.load(nw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -75,13 +64,50 @@ def _add_rms_norm_epilogue(
             tl.store(norm_out_ptr + off, out, mask=mask)
 
 
+@triton.jit
+def _all_reduce_add_rms_norm_epilogue(
+    y_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols, stride_ym,
+    eps, bufs_ptr, flags_ptr, epochs_ptr, slot_elems,
+    NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr, RANK: tl.constexpr,
+    WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    # TP > 1: the last program to finish all-reduces the rows with the peers and adds and
+    # normalises them: kernels/all_reduce_norm.py's steps as its program 0 would take them
+    # (one epoch and flag for the call; the same rows, slots and arithmetic).
+    tl.debug_barrier()
+    finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if finished == tl.num_programs(0) - 1:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
+        epoch = tl.load(epochs_ptr) + 1
+        tl.store(epochs_ptr, epoch)
+        cols = tl.arange(0, NORM_N)
+        col_mask = cols < n_cols
+        for r0 in range(0, rows, NORM_M):
+            rr = r0 + tl.arange(0, NORM_M)
+            mask = (rr < rows)[:, None] & col_mask[None, :]
+            publish(y_ptr, stride_ym, bufs_ptr, epoch, rr, cols, mask, n_cols, slot_elems, RANK,
+                    True)  # fmt: skip
+        exchange(flags_ptr, 0, epoch, RANK, WORLD, MAX_PROGRAMS)
+        for r0 in range(0, rows, NORM_M):
+            rr = r0 + tl.arange(0, NORM_M)
+            mask = (rr < rows)[:, None] & col_mask[None, :]
+            x = tl.load(y_ptr + (rr * stride_ym)[:, None] + cols[None, :], mask=mask, other=0.0,
+                        volatile=True)  # fmt: skip
+            sum_add_norm(
+                x, bufs_ptr, epoch, res_ptr, n_cols, nw_ptr, norm_out_ptr, res_out_ptr, rr,
+                cols, col_mask, mask, n_cols, slot_elems, eps, RANK, WORLD, True, ASM,
+            )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
     res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, eps,
+    bufs_ptr, flags_ptr, epochs_ptr, slot_elems,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr,
+    WORLD: tl.constexpr, RANK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
@@ -135,10 +161,17 @@ def _gemv_kernel(
         y = act * up.to(dtype).to(tl.float32)
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
-    if NORM:
+    # NORM with WORLD > 1: the all-reduce too (the row-parallel layers of a TP model).
+    if NORM and WORLD == 1:
         _add_rms_norm_epilogue(
             out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
             stride_om, eps, NORM_M, NORM_N, ASM,
+        )  # fmt: skip
+    if NORM and WORLD > 1:
+        _all_reduce_add_rms_norm_epilogue(
+            out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
+            stride_om, eps, bufs_ptr, flags_ptr, epochs_ptr, slot_elems, NORM_M, NORM_N, ASM,
+            RANK, WORLD, MAX_PROGRAMS,
         )  # fmt: skip
 
 
@@ -187,6 +220,7 @@ def _launch(
     tiles: Tiles | None,
     gated: bool,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    peer: PeerSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     rows, k_dim = x.shape
     n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
@@ -213,9 +247,12 @@ def _launch(
         residual, norm_weight, normed if normed is not None else out,
         res_out if res_out is not None else out,
         _counter(x.device) if norm is not None else out, eps,
+        *((peer.bufs, peer.flags, peer.epochs, peer.slot_elems) if peer else (out, out, out, 0)),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, NORM=norm is not None, NORM_M=norm_m, NORM_N=norm_n,
-        ASM=not _interpreting(), num_warps=warps, num_stages=stages, **pdl_args(),
+        ASM=not _interpreting(), WORLD=peer.bufs.numel() if peer else 1,
+        RANK=peer.rank if peer else 0, MAX_PROGRAMS=peer.epochs.numel() if peer else 1,
+        num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out, normed, res_out
 
@@ -239,6 +276,18 @@ def norm_fusable(n_cols: int, tiles: Tiles | None, rows: int = 1) -> bool:
     return row_tile(n_cols)[2] == warps
 
 
+@dataclass(frozen=True)
+class PeerSum:
+    """Where TP ranks sum their partial products (distributed/peer_all_reduce.py's
+    buffers, as kernels/all_reduce_norm.py takes them)."""
+
+    bufs: torch.Tensor
+    flags: torch.Tensor
+    epochs: torch.Tensor
+    slot_elems: int
+    rank: int
+
+
 def gemv_add_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -246,10 +295,14 @@ def gemv_add_rms_norm(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
+    peer: PeerSum | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(y + residual) * norm_weight, y + residual) for y = x weight^T, in one kernel:
-    the same bits as ``gemv`` followed by kernels/norm.py's ``fused_add_rms_norm``."""
-    _, normed, res_out = _launch(x, weight, None, tiles, False, (residual, norm_weight, eps))
+    the same bits as ``gemv`` followed by kernels/norm.py's ``fused_add_rms_norm``. With
+    ``peer``, y is summed over the TP ranks first: the same bits as ``gemv`` followed by
+    kernels/all_reduce_norm.py (every rank must make the same calls)."""
+    norm = (residual, norm_weight, eps)
+    _, normed, res_out = _launch(x, weight, None, tiles, False, norm, peer)
     assert normed is not None and res_out is not None
     return normed, res_out
 

@@ -122,14 +122,14 @@ class RowParallelLinear(nn.Module):
     def add_norm(
         self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(norm(y + residual), y + residual) for y = this layer's product of ``x``, taken in
-        one GEMV kernel with the add and the norm in its epilogue (kernels/gemv.py), or None
-        where that does not apply: TP > 1 (the all-reduce fuses with the norm instead), a
-        bias, more than one row, no GEMV for this layer, MINISGL_FUSED_GEMV_NORM off."""
+        """(norm(s + residual), s + residual) for s = this layer's product of ``x`` summed
+        over the TP ranks, taken in one GEMV kernel with the all-reduce (TP > 1, over GPU
+        peer memory), the add and the norm in its epilogue (kernels/gemv.py); None where that
+        does not apply: a bias, more than one row, no GEMV for this layer, no peer memory,
+        MINISGL_FUSED_GEMV_NORM off."""
         if (
             not cpu_linear.FUSED_GEMV_NORM
             or self.gemv_tiles is None
-            or self.tp.size != 1
             or self.bias is not None
             or x.dim() != 2
             or x.shape[0] != 1
@@ -138,9 +138,20 @@ class RowParallelLinear(nn.Module):
             return None
         from minisgl.kernels.gemv import gemv_add_rms_norm, norm_fusable
 
-        if not norm_fusable(self.weight.shape[0], self.gemv_tiles):
+        n_cols = self.weight.shape[0]
+        if not norm_fusable(n_cols, self.gemv_tiles):
             return None
-        return gemv_add_rms_norm(x, self.weight, self.gemv_tiles, residual, norm.weight, norm.eps)
+        peer = None
+        if self.tp.size > 1:
+            from minisgl.distributed import peer_all_reduce
+
+            active = peer_all_reduce.active()
+            peer = active.peer_sum(1, n_cols, x.dtype) if active is not None else None
+            if peer is None:
+                return None
+        return gemv_add_rms_norm(
+            x, self.weight, self.gemv_tiles, residual, norm.weight, norm.eps, peer
+        )
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce (fused with
