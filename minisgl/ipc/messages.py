@@ -141,6 +141,7 @@ class TokenOutput:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    queue_time: float = 0.0  # seconds from reaching the scheduler to first admission
 
 
 @message
@@ -172,6 +173,7 @@ class TextOutput:
     spec_verify_steps: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    queue_time: float = 0.0  # seconds from reaching the scheduler to first admission
 
     @property
     def finished(self) -> bool:

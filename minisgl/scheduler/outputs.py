@@ -25,6 +25,7 @@ def token_output(req: Req, start: int) -> TokenOutput:
         spec_verify_steps=req.spec_verify_steps,
         spec_draft_tokens=req.spec_draft_tokens,
         spec_accepted_tokens=req.spec_accepted_tokens,
+        queue_time=req.queue_time,
     )
     if start == 0 and req.params.prompt_logprobs is not None:
         out.prompt_logprobs = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from minisgl.sampling_params import SamplingParams
@@ -48,6 +49,8 @@ class Req:
     spec_accepted_tokens: int = 0
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
     grammar: object | None = None  # structured output's matcher (scheduler/grammar.py)
+    arrived: float = field(default_factory=time.monotonic)  # added to the scheduler
+    queue_time: float = 0.0  # seconds from arrival to first admission
 
     @property
     def num_known(self) -> int:

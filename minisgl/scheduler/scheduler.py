@@ -317,6 +317,7 @@ class Scheduler:
             req.admit_order = next(self.admit_counter)
             if not req.admitted_once:
                 req.cached_tokens, req.admitted_once = req.kv_len, True
+                req.queue_time = time.monotonic() - req.arrived
             if _uses_penalties(req):
                 self._restore_penalties(req)
             self.running.append(req)

@@ -117,6 +117,11 @@ class ServerMetrics:
             "minisgl_time_to_first_token_seconds", "Time to first token",
             buckets=_LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.queue_time = Histogram(
+            "minisgl_queue_time_seconds",
+            "Time a request waited in the scheduler's queue before its first prefill",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.itl = Histogram(
             "minisgl_inter_token_latency_seconds", "Time between consecutive output tokens",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -133,6 +138,7 @@ class ServerMetrics:
             last = group.last_token_at.get(out.rid)
             if last is None:
                 self.ttft.observe(now - group.arrival)
+                self.queue_time.observe(out.queue_time)
                 n -= 1  # the first token has a TTFT, not an inter-token gap
             else:
                 # Several tokens in one output share the gap evenly (as SGLang reports ITL).

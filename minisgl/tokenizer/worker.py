@@ -241,6 +241,7 @@ class Worker:
             spec_verify_steps=out.spec_verify_steps,
             spec_draft_tokens=out.spec_draft_tokens,
             spec_accepted_tokens=out.spec_accepted_tokens,
+            queue_time=out.queue_time,
         )
         if stream.first:
             result.prompt_text = stream.prompt_text

@@ -342,6 +342,14 @@ def test_metrics(default_server: ServerHandle) -> None:
     }
     assert values["minisgl_generation_tokens_total"] > 0
     assert values["minisgl_time_to_first_token_seconds_count"] > 0
+    # Every request that got a first token waited some (non-negative) time in the queue.
+    queued = values["minisgl_queue_time_seconds_count"]
+    assert queued == values["minisgl_time_to_first_token_seconds_count"]
+    assert (
+        0
+        <= values["minisgl_queue_time_seconds_sum"]
+        <= values["minisgl_time_to_first_token_seconds_sum"]
+    )
     assert 0 < values["minisgl_prefix_cache_hit_rate"] <= 1
 
 
