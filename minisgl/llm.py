@@ -174,8 +174,10 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
-        """Generate replies to one conversation or a list of them (see apply_chat_template)."""
+        """Generate replies to one conversation or a list of them (see apply_chat_template).
+        Replies are text; ``minisgl.server.tool_calls.parse_tool_calls`` splits out calls."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.apply_chat_template(
@@ -183,6 +185,7 @@ class LLM:
                 chat_template_kwargs,
                 continue_final_message,
                 add_generation_prompt,
+                tools,
             )
             for c in conversations
         ]
@@ -194,10 +197,12 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         continue_final_message: bool = False,
         add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a conversation: ``chat_template_kwargs`` go to the template (e.g.
         ``{"enable_thinking": False}`` for Qwen3); ``continue_final_message`` continues the
-        last (assistant) message instead of starting a new reply."""
+        last (assistant) message instead of starting a new reply; ``tools`` (OpenAI function
+        tools) go to the template too."""
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
@@ -210,6 +215,7 @@ class LLM:
             chat_template_kwargs,
             continue_final_message,
             add_generation_prompt,
+            tools,
         )
 
     def _run(self, reqs: list[Req], show_progress: bool) -> None:

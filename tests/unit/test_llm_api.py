@@ -195,6 +195,11 @@ def test_chat_template_options(llm: LLM, tmp_path: Path) -> None:
     # transformers cuts the rendering after the final message's text, closing tag included.
     assert ids == [3, 9, 4, 3, 10, 11]
     assert llm.chat(msgs, GREEDY, add_generation_prompt=False)[0]["prompt_tokens"] == 3
+    # tools reach the template (here it names each function as a word).
+    tok.chat_template = "{% for t in tools or [] %}{{ t['function']['name'] }} {% endfor %}t5"
+    tools = [{"type": "function", "function": {"name": "t7"}}]
+    assert render_chat(tok, msgs, tools=tools) == [7, 5]
+    assert render_chat(tok, msgs) == [5]
 
 
 @pytest.mark.parametrize(
