@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from minisgl.kernels.gemv import PeerSum
+    from minisgl.kernels.gemv_epilogue import PeerSum
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class PeerAllReduce:
         """The buffers as a GEMV's all-reduce + norm epilogue takes them (kernels/gemv.py),
         or None where a [rows, n_cols] product does not fit them."""
         from minisgl.kernels.all_reduce_norm import programs
-        from minisgl.kernels.gemv import PeerSum
+        from minisgl.kernels.gemv_epilogue import PeerSum
 
         itemsize = torch.empty((), dtype=dtype).element_size()
         if not (

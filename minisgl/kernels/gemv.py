@@ -16,87 +16,22 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
-from minisgl.kernels.all_reduce_norm import exchange, mul_rn, publish, sum_add_norm
+from minisgl.kernels.gemv_epilogue import (
+    PeerSum,
+    add_rms_norm_epilogue,
+    all_reduce_add_rms_norm_epilogue,
+    finished_counter,
+)
 from minisgl.kernels.norm import row_tile
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
-
-
-@triton.jit
-def _add_rms_norm_epilogue(
-    y_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols, stride_ym,
-    eps, NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    # Every program has stored its columns of y; the last one to finish adds the residual
-    # and normalises whole rows, with the arithmetic and tile of kernels/norm.py (the same
-    # bits), so the norm kernel that would follow is not launched. The barrier and the
-    # acquire-release count order every program's stores before the last one's loads.
-    tl.debug_barrier()
-    finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if finished == tl.num_programs(0) - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
-        dtype = y_ptr.dtype.element_ty
-        cols = tl.arange(0, NORM_N)
-        col_mask = cols < n_cols
-        for r0 in range(0, rows, NORM_M):
-            rr = r0 + tl.arange(0, NORM_M)
-            mask = (rr < rows)[:, None] & col_mask[None, :]
-            off = (rr * n_cols)[:, None] + cols[None, :]
-            y_off = (rr * stride_ym)[:, None] + cols[None, :]
-            x = tl.load(y_ptr + y_off, mask=mask, other=0.0, volatile=True)  # not from L1
-            r = tl.load(res_ptr + off, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-            tl.store(res_out_ptr + off, x, mask=mask)
-            xf = x.to(tl.float32)
-            var = tl.sum(mul_rn(xf, xf, ASM), axis=1) / n_cols
-            rstd = tl.rsqrt(var + eps)
-            yn = (xf * rstd[:, None]).to(dtype).to(tl.float32)
-            w = tl.load(nw_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            out = (yn * w[None, :]).to(norm_out_ptr.dtype.element_ty)
-            tl.store(norm_out_ptr + off, out, mask=mask)
-
-
-@triton.jit
-def _all_reduce_add_rms_norm_epilogue(
-    y_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols, stride_ym,
-    eps, bufs_ptr, flags_ptr, epochs_ptr, slot_elems,
-    NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr, RANK: tl.constexpr,
-    WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
-):  # fmt: skip
-    # TP > 1: the last program to finish all-reduces the rows with the peers and adds and
-    # normalises them: kernels/all_reduce_norm.py's steps as its program 0 would take them
-    # (one epoch and flag for the call; the same rows, slots and arithmetic).
-    tl.debug_barrier()
-    finished = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if finished == tl.num_programs(0) - 1:
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
-        epoch = tl.load(epochs_ptr) + 1
-        tl.store(epochs_ptr, epoch)
-        cols = tl.arange(0, NORM_N)
-        col_mask = cols < n_cols
-        for r0 in range(0, rows, NORM_M):
-            rr = r0 + tl.arange(0, NORM_M)
-            mask = (rr < rows)[:, None] & col_mask[None, :]
-            publish(y_ptr, stride_ym, bufs_ptr, epoch, rr, cols, mask, n_cols, slot_elems, RANK,
-                    True)  # fmt: skip
-        exchange(flags_ptr, 0, epoch, RANK, WORLD, MAX_PROGRAMS)
-        for r0 in range(0, rows, NORM_M):
-            rr = r0 + tl.arange(0, NORM_M)
-            mask = (rr < rows)[:, None] & col_mask[None, :]
-            x = tl.load(y_ptr + (rr * stride_ym)[:, None] + cols[None, :], mask=mask, other=0.0,
-                        volatile=True)  # fmt: skip
-            sum_add_norm(
-                x, bufs_ptr, epoch, res_ptr, n_cols, nw_ptr, norm_out_ptr, res_out_ptr, rr,
-                cols, col_mask, mask, n_cols, slot_elems, eps, RANK, WORLD, True, ASM,
-            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -163,12 +98,12 @@ def _gemv_kernel(
     tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
     # NORM with WORLD > 1: the all-reduce too (the row-parallel layers of a TP model).
     if NORM and WORLD == 1:
-        _add_rms_norm_epilogue(
+        add_rms_norm_epilogue(
             out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
             stride_om, eps, NORM_M, NORM_N, ASM,
         )  # fmt: skip
     if NORM and WORLD > 1:
-        _all_reduce_add_rms_norm_epilogue(
+        all_reduce_add_rms_norm_epilogue(
             out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
             stride_om, eps, bufs_ptr, flags_ptr, epochs_ptr, slot_elems, NORM_M, NORM_N, ASM,
             RANK, WORLD, MAX_PROGRAMS,
@@ -246,7 +181,7 @@ def _launch(
         x.stride(0), weight.stride(0), out.stride(0),
         residual, norm_weight, normed if normed is not None else out,
         res_out if res_out is not None else out,
-        _counter(x.device) if norm is not None else out, eps,
+        finished_counter(x.device) if norm is not None else out, eps,
         *((peer.bufs, peer.flags, peer.epochs, peer.slot_elems) if peer else (out, out, out, 0)),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, NORM=norm is not None, NORM_M=norm_m, NORM_N=norm_n,
@@ -276,18 +211,6 @@ def norm_fusable(n_cols: int, tiles: Tiles | None, rows: int = 1) -> bool:
     return row_tile(n_cols)[2] == warps
 
 
-@dataclass(frozen=True)
-class PeerSum:
-    """Where TP ranks sum their partial products (distributed/peer_all_reduce.py's
-    buffers, as kernels/all_reduce_norm.py takes them)."""
-
-    bufs: torch.Tensor
-    flags: torch.Tensor
-    epochs: torch.Tensor
-    slot_elems: int
-    rank: int
-
-
 def gemv_add_rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -305,18 +228,6 @@ def gemv_add_rms_norm(
     _, normed, res_out = _launch(x, weight, None, tiles, False, norm, peer)
     assert normed is not None and res_out is not None
     return normed, res_out
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The finished-program count the norm epilogue uses (the last program resets it; the
-    calls on a device run one after another on its stream). Allocated by the first, eager
-    call: CUDA graphs capture the warm-up run's launches, never the first."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def _interpreting() -> bool:

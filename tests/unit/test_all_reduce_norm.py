@@ -103,7 +103,8 @@ def check_gemv_epilogue_all_reduce_matches_unfused(device: torch.device) -> None
     normalises it (kernels/gemv.py, MINISGL_FUSED_GEMV_NORM at TP > 1) gives the bits of the
     GEMV followed by the rank-order sum and fused_add_rms_norm; it uses program 0's flag and
     epoch, so calls mix freely with the standalone kernel's."""
-    from minisgl.kernels.gemv import PeerSum, gemv, gemv_add_rms_norm, gemv_tiles
+    from minisgl.kernels.gemv import gemv, gemv_add_rms_norm, gemv_tiles
+    from minisgl.kernels.gemv_epilogue import PeerSum
     from minisgl.kernels.norm import fused_add_rms_norm
 
     for dtype, rank, (rows, n, k) in ((F32, 0, (1, 96, 64)), (F16, 1, (2, 100, 48))):
