@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from minisgl.server import native_api, openai_api
+from minisgl.server import native_api, openai_api, responses_api
 from minisgl.server.errors import APIError, error_response, install_error_handlers
 from minisgl.server.frontend import ServiceUnavailable
 from minisgl.server.guards import APIKeyGuard, BodySizeLimit
@@ -66,6 +66,7 @@ def create_app(
     app.state.minisgl = state
     install_error_handlers(app)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(native_api.router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

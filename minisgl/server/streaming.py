@@ -37,6 +37,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {_encode_json(payload)}\n\n"
 
 
+def sse_event(kind: str, payload: dict[str, Any]) -> str:
+    """A named SSE event (the Responses API's: its name also in the payload's ``type``)."""
+    return f"event: {kind}\ndata: {_encode_json({'type': kind, **payload})}\n\n"
+
+
 class SSEResponse(StreamingResponse):
     """A streaming response written by the request's own task, that always runs
     ``on_close`` when it ends, however it ends.
