@@ -1,10 +1,14 @@
-"""OpenAI's Responses API, POST /v1/responses: text in, one assistant message out.
+"""OpenAI's Responses API, POST /v1/responses: text in; an assistant message and function
+calls out.
 
 The request becomes a chat conversation (``instructions`` as the system message, then the
-``input`` messages) and runs like a chat completion: same sampling checks and structured
-output (``text.format``). What it does not implement is refused with a 400 naming the
-field: tools, ``previous_response_id`` (nothing is stored), non-text input parts.
-Streaming sends the API's typed events, from ``response.created`` to ``response.completed``.
+``input`` items: messages, earlier ``function_call`` items as the assistant's tool calls,
+``function_call_output`` items as tool messages) and runs like a chat completion: the same
+sampling checks, structured output (``text.format``) and tool calling (function tools,
+``tool_choice``; server/tool_calls.py). What it does not implement is refused with a 400
+naming the field: other tool types, ``previous_response_id`` (nothing is stored), non-text
+input parts. Streaming sends the API's typed events, from ``response.created`` to
+``response.completed``; function calls come whole after the message.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from minisgl.ipc.messages import TextOutput
+from minisgl.server.chat_reply import ChatReplyParser
 from minisgl.server.errors import bad_request
 from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
 from minisgl.server.protocol import ChatCompletionRequest
@@ -48,15 +53,14 @@ class ResponsesRequest(BaseModel):
 
     def chat_request(self) -> ChatCompletionRequest:
         """The equivalent chat completion (ValueError naming the field if there is none)."""
-        if self.tools:
-            raise ValueError("tools must be empty: this server's Responses API has no tools")
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id must be unset: responses are not stored")
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             messages.append({"role": "user", "content": self.input})
         else:
-            messages += [_message(item) for item in self.input]
+            for item in self.input:
+                _add_item(messages, item)
         fmt = (self.text or {}).get("format") or {"type": "text"}
         if not isinstance(fmt, dict):
             raise ValueError("text must be {'format': {'type': ...}}")
@@ -69,11 +73,48 @@ class ResponsesRequest(BaseModel):
             top_p=self.top_p,
             stream=self.stream,
             response_format=fmt,
+            tools=[_chat_tool(t) for t in self.tools] if self.tools else None,
+            tool_choice=_chat_tool_choice(self.tool_choice),
         )
 
 
-def _message(item: dict[str, Any]) -> dict[str, Any]:
-    if item.get("type", "message") != "message" or item.get("role") not in (
+def _chat_tool(tool: Any) -> dict[str, Any]:
+    """A Responses function tool ({"type": "function", "name", "parameters"}) as a chat one."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ValueError("tools must be function tools: {'type': 'function', 'name': ...}")
+    fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    return {"type": "function", "function": fn}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any) -> None:
+    """One input item onto the conversation: a message, an earlier function call (merged into
+    the assistant message before it), or a call's output (a tool message)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}  # fmt: skip
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            last["tool_calls"].append(call)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise ValueError("input function_call_output items must carry their output as text")
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+    else:
+        messages.append(_message(item))
+
+
+def _message(item: Any) -> dict[str, Any]:
+    if not isinstance(item, dict) or item.get("type", "message") != "message" or item.get("role") not in (
         "user", "system", "developer", "assistant",
     ):  # fmt: skip
         raise ValueError("input must be a string or a list of messages with a role and content")
@@ -104,18 +145,29 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     state.frontend.name(group, rid)  # for /abort_request
     created = time.time()
 
+    tools = chat.uses_tools
+
+    def output_items(text: str) -> tuple[list[dict[str, Any]], bool]:
+        """The reply as output items (a message; function calls), and whether it called."""
+        if not tools:
+            return [_item(msg_id, "completed", text)], False
+        message, calls = ChatReplyParser(None, True).whole(text)
+        items = [_item(msg_id, "completed", message["content"])] if message["content"] else []
+        return items + [_function_call(c) for c in calls], bool(calls)
+
     def response(status: str, result: SequenceResult | None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": rid, "object": "response", "created_at": created, "model": state.served_model_name,
-            "status": status, "output": [], "parallel_tool_calls": False, "tool_choice": "none",
-            "tools": [], "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "status": status, "output": [], "parallel_tool_calls": True,
+            "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "tools": [_response_tool(t) for t in body.tools or []], "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
             "incomplete_details": None, "error": None, "usage": None,
         }  # fmt: skip
         if result is None:
             return out
-        out["output"] = [_item(msg_id, "completed", result.text)]
+        out["output"], _ = output_items(result.text)
         if result.finish_reason == "length":
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -146,21 +198,42 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             + event("response.content_part.added", **where, part=_part(""))
         )  # fmt: skip
         results = [SequenceResult()]
+        parser = ChatReplyParser(None, True) if tools else None
+        sent: list[str] = []  # the message text streamed so far (calls held back)
 
         def render(_: int, out: TextOutput) -> str | None:
-            chunk = event("response.output_text.delta", **where, delta=out.text, logprobs=[])
-            chunk = chunk if out.text else ""
-            if out.finished:
-                r = results[0]
-                done = response("completed", r)
+            text = out.text
+            if parser is not None:
+                text = parser.feed(out.text).get("content", "")
+                if out.finished:
+                    text += parser.finish()[0].get("content", "")
+            sent.append(text)
+            chunk = event("response.output_text.delta", **where, delta=text, logprobs=[])
+            chunk = chunk if text else ""
+            if not out.finished:
+                return chunk or None
+            done = response("completed", results[0])
+            message = _item(msg_id, "completed", "".join(sent))
+            calls = [item for item in done["output"] if item["type"] == "function_call"]
+            done["output"] = [message, *calls]  # as streamed: the message item comes first
+            chunk += (
+                event("response.output_text.done", **where, text=message["content"][0]["text"],
+                      logprobs=[])
+                + event("response.content_part.done", **where, part=message["content"][0])
+                + event("response.output_item.done", output_index=0, item=message)
+            )  # fmt: skip
+            for index, call in enumerate(calls, start=1):
+                at = {"item_id": call["id"], "output_index": index}
                 chunk += (
-                    event("response.output_text.done", **where, text=r.text, logprobs=[])
-                    + event("response.content_part.done", **where, part=_part(r.text))
-                    + event("response.output_item.done", output_index=0, item=done["output"][0])
-                    + event(f"response.{'incomplete' if done['status'] == 'incomplete' else 'completed'}",
-                            response=done)
+                    event("response.output_item.added", output_index=index,
+                          item={**call, "arguments": "", "status": "in_progress"})
+                    + event("response.function_call_arguments.delta", **at, delta=call["arguments"])
+                    + event("response.function_call_arguments.done", **at,
+                            arguments=call["arguments"])
+                    + event("response.output_item.done", output_index=index, item=call)
                 )  # fmt: skip
-            return chunk or None
+            end = "incomplete" if done["status"] == "incomplete" else "completed"
+            return chunk + event(f"response.{end}", response=done)
 
         def failed(_: int, error: str) -> str:
             return event("response.failed", response={**response("failed", None),
@@ -170,6 +243,17 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             yield data
 
     return await respond(request, group, body.stream, stream, full)
+
+
+def _function_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+            "name": fn["name"], "arguments": fn["arguments"], "status": "completed"}  # fmt: skip
+
+
+def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "name": tool["name"], "parameters": tool.get("parameters"),
+            "strict": bool(tool.get("strict")), "description": tool.get("description")}  # fmt: skip
 
 
 def _part(text: str) -> dict[str, Any]:

@@ -94,10 +94,54 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(resp.output_text), schema)
 
 
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_function_call_forced_streamed_and_answered(client: openai.OpenAI) -> None:
+    """tool_choice "required" (a grammar makes the small model call): a function_call item
+    whose arguments match the schema, the same when streamed; then the call and its output go
+    back as input items and the conversation continues."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    ask = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER],
+           "tool_choice": "required", "max_output_tokens": 96, "temperature": 0}  # fmt: skip
+    resp = client.responses.create(**ask)  # type: ignore[call-overload]
+    calls = [item for item in resp.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather", resp.output
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    events = list(client.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    final = events[-1].response  # type: ignore[union-attr]
+    streamed = [item for item in final.output if item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in streamed] == [(calls[0].name, calls[0].arguments)]
+    follow = client.responses.create(
+        model=MODEL, tools=[WEATHER], max_output_tokens=12, temperature=0,  # type: ignore[list-item]
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny"},
+        ],
+    )  # fmt: skip
+    assert follow.status in ("completed", "incomplete") and follow.usage is not None
+
+
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"temperature": -1}, "temperature"),
