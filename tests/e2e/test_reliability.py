@@ -186,7 +186,8 @@ def test_the_key_opens_every_route(guarded: ServerHandle) -> None:
         body = {} if method == "POST" else None
         reply = request(guarded, method, path, body, headers={"Authorization": f"bearer {KEY}"})
         expected = 404 if path == "/no/such/route" else 400 if method == "POST" and path in (
-            "/v1/chat/completions", "/v1/completions", "/generate", "/abort_request"
+            "/v1/chat/completions", "/v1/completions", "/v1/responses", "/generate",
+            "/abort_request",
         ) else 200  # fmt: skip
         assert reply.status == expected, (method, path, reply)
 
