@@ -45,15 +45,21 @@ def http(
 
 
 def sse_events(text: str) -> list[Any]:
-    """Parse an SSE body, checking the framing: every event is exactly ``data: ...\\n\\n``."""
+    """Parse an SSE body, checking the framing: every event is exactly one ``data:`` line,
+    named (``event:``) or not, and the body ends with ``data: [DONE]``."""
     assert text.endswith("data: [DONE]\n\n"), text[-200:]
     events = text.split("\n\n")
     assert events[-1] == ""
     out = []
     for ev in events[:-1]:
+        # The Responses API names its events: "event: NAME" first, NAME repeated as "type".
+        name = None
+        if ev.startswith("event: "):
+            name, _, ev = ev[len("event: ") :].partition("\n")
         assert ev.startswith("data: ") and "\n" not in ev, ev
         payload = ev[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
+        assert name is None or out[-1]["type"] == name, (name, out[-1])
     assert out.count("[DONE]") == 1 and out[-1] == "[DONE]"
     return out[:-1]
 
