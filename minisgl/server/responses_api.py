@@ -137,9 +137,10 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     try:
         chat = body.chat_request()
         fields = chat.sampling_fields()
+        messages = chat.message_dicts()  # earlier calls' arguments must be JSON: a 400 if not
     except ValueError as exc:
         raise bad_request(exc) from None
-    items = make_items([chat.message_dicts()], [fields], **chat.template_fields())
+    items = make_items([messages], [fields], **chat.template_fields())
     group = state.submit(items)
     rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
     state.frontend.name(group, rid)  # for /abort_request

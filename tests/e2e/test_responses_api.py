@@ -146,6 +146,8 @@ def test_function_call_forced_streamed_and_answered(client: openai.OpenAI) -> No
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
         ({"temperature": -1}, "temperature"),
         ({"text": {"format": "json"}}, "text"),
+        ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}]},
+         "tool_calls"),
     ],
 )  # fmt: skip
 def test_unsupported_is_400(default_server: ServerHandle, extra: dict, field: str) -> None:
