@@ -275,3 +275,70 @@ def test_gemv_norm_epilogue_on_off_identical(tiny: Path, monkeypatch: pytest.Mon
         llm.close()
         assert bool(calls) == flag
     assert outs[0] == outs[1]
+
+
+def test_fused_decode_merge_on_off_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 decode (graphs, overlap) over contexts long enough to split: each row's last KV
+    split merging the splits (MINISGL_FUSED_DECODE_REDUCE; head_dim 128, where it applies)
+    gives the tokens of the separate reduction kernel, at batch 1 and batch 3; the fused
+    merge was really launched."""
+    from minisgl.kernels import attention as attention_kernels
+
+    calls = []
+    original = attention_kernels._split_counters
+
+    def counting(device: torch.device) -> torch.Tensor:
+        calls.append(1)
+        return original(device)
+
+    monkeypatch.setattr(attention_kernels, "_split_counters", counting)
+    model = make_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=128, max_position_embeddings=4096)
+    prompts = [[3 + (i * 7) % 250 for i in range(n)] for n in (900, 1200, 1500)]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = []
+    for flag in ("0", "1"):
+        calls.clear()
+        monkeypatch.setenv("MINISGL_FUSED_DECODE_REDUCE", flag)
+        llm = LLM(str(model), dtype="bfloat16")
+        alone = [llm.generate([p], params)[0]["token_ids"] for p in prompts]
+        together = [r["token_ids"] for r in llm.generate(prompts, params)]
+        assert_engine_clean(llm)
+        llm.close()
+        outs.append((alone, together))
+        assert bool(calls) == (flag == "1")
+    assert outs[0] == outs[1]
+
+
+def test_l2_prefetch_on_off_identical(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights asked into L2 ahead of their products (layers/prefetch.py, every site) leave
+    greedy tokens unchanged in bf16 with graphs and overlap, at batch 1 and batch 3; the
+    prefetch kernel was really launched (and, being PTX for sm_90, compiled)."""
+    from minisgl.kernels import prefetch as prefetch_kernels
+    from minisgl.layers import prefetch as prefetch_sites
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the bulk L2 prefetch needs sm_90")
+    calls = []
+    original = prefetch_kernels.prefetch_l2
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(prefetch_kernels, "prefetch_l2", counting)
+    prompts = [[5, 6, 7], list(range(10, 60)), [42] * 9]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for spec in ("0", "o,up:1,qkv"):
+        calls.clear()
+        monkeypatch.setattr(prefetch_sites, "SITES", prefetch_sites.parse_sites(spec))
+        llm = LLM(str(tiny), dtype="bfloat16")
+        alone = [llm.generate([p], params)[0]["token_ids"] for p in prompts]
+        together = [r["token_ids"] for r in llm.generate(prompts, params)]
+        assert_engine_clean(llm)
+        llm.close()
+        outs.append((alone, together))
+        assert bool(calls) == (spec != "0")
+    assert outs[0] == outs[1]
