@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -146,15 +145,8 @@ class TritonBackend(AttentionBackend):
         extend_block_n: int | None = None,
         stager: DeviceStager | None = None,
         fused_kv_store: bool = False,
-        fuse_decode_reduce: bool | None = None,
     ) -> None:
         super().__init__(pool)
-        # Split decode: each row's last split merges the splits, in place of the reduction
-        # kernel (bit-equal; MINISGL_FUSED_DECODE_REDUCE=1, off until measured on the H200).
-        if fuse_decode_reduce is None:
-            flag = os.environ.get("MINISGL_FUSED_DECODE_REDUCE", "0").lower()
-            fuse_decode_reduce = flag not in ("0", "false", "no", "off")
-        self.fuse_decode_reduce = fuse_decode_reduce
         self.stager = stager
         # The engine turns this on for CUDA runs (see AttentionBackend.fused_kv_store).
         self.fused_kv_store = fused_kv_store
@@ -337,7 +329,6 @@ class TritonBackend(AttentionBackend):
             return decode_attention(
                 q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
                 md.max_splits, scale, block_n, warps, stages,
-                fuse_reduce=self.fuse_decode_reduce,
             )  # fmt: skip
         out = extend_attention(
             q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,
@@ -348,6 +339,6 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q, k_cache, v_cache, md.page_table, md.dec_row_ids, md.dec_seq_lens,
                 md.num_splits, md.max_splits, scale, block_n, warps, stages,
-                q_index=md.dec_tokens, out=out.view(q.shape), fuse_reduce=self.fuse_decode_reduce,
+                q_index=md.dec_tokens, out=out.view(q.shape),
             )  # fmt: skip
         return out

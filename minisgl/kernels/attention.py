@@ -59,10 +59,9 @@ def _decode_split_kernel(
     q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-    out_ptr, counter_ptr, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    GATHER: tl.constexpr, DIRECT: tl.constexpr, FUSE_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
+    GATHER: tl.constexpr, DIRECT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -120,45 +119,6 @@ def _decode_split_kernel(
     tl.store(mid_o_ptr + mo, acc / l_safe[:, None], mask=h_mask[:, None] & d_mask[None, :])
     ml = b * stride_ml_b + heads * stride_ml_h + split
     tl.store(mid_lse_ptr + ml, lse, mask=h_mask)
-    if FUSE_REDUCE:
-        # The row's last split to finish merges them (for its KV head's query heads) with
-        # the reduction kernel's code, which then is not launched. The barrier and the
-        # acquire-release count order every split's stores before that program's loads.
-        tl.debug_barrier()
-        counter = counter_ptr + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next call
-            for g in tl.static_range(GROUP):
-                _reduce_head(
-                    mid_o_ptr, mid_lse_ptr, out_ptr, b, kv_head * GROUP + g, tok, n_splits,
-                    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-                    stride_ot, stride_oh, HEAD_DIM, BLOCK_S, BLOCK_D, True,
-                )  # fmt: skip
-
-
-@triton.jit
-def _reduce_head(
-    mid_o_ptr, mid_lse_ptr, out_ptr, b, h, tok, n_splits,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, FRESH: tl.constexpr,
-):  # fmt: skip
-    # Merge query head h's split results by their log-sum-exps. FRESH: the splits were
-    # written by other programs of the running kernel, so read them past the L1 cache.
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < n_splits
-    d_mask = offs_d < HEAD_DIM
-    lse_ptr = mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s
-    lse = tl.load(lse_ptr, mask=s_mask, other=float("-inf"), volatile=FRESH)
-    live = lse > float("-inf")
-    m = tl.max(tl.where(live, lse, _NEG_BIG), 0)
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    mo = b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :]
-    o = tl.load(mid_o_ptr + mo, mask=s_mask[:, None] & d_mask[None, :], other=0.0, volatile=FRESH)
-    denom = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    dst = out_ptr + tok * stride_ot + h * stride_oh + offs_d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -175,11 +135,21 @@ def _decode_reduce_kernel(
     if n_splits == 0:
         return  # a padding row
     tok = tl.load(q_index_ptr + b).to(tl.int64) if GATHER else b.to(tl.int64)
-    _reduce_head(
-        mid_o_ptr, mid_lse_ptr, out_ptr, b, h, tok, n_splits,
-        stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-        HEAD_DIM, BLOCK_S, BLOCK_D, False,
-    )  # fmt: skip
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < n_splits
+    d_mask = offs_d < HEAD_DIM
+    lse_ptr = mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s
+    lse = tl.load(lse_ptr, mask=s_mask, other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(tl.where(live, lse, _NEG_BIG), 0)
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    mo = b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :]
+    o = tl.load(mid_o_ptr + mo, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    dst = out_ptr + tok * stride_ot + h * stride_oh + offs_d
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -282,13 +252,11 @@ def decode_attention(
     num_stages: int = 2,
     q_index: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    fuse_reduce: bool = False,
 ) -> torch.Tensor:
     """One new token per row: q [B, Hq, D] -> out [B, Hq * D]. The grid (B, Hk, max_splits)
     depends only on B, so a CUDA graph replays with new lengths; ``num_splits`` [B] (device,
     from ``plan_decode_splits`` with this ``block_n``) says how many chunks a row uses; a
-    row with 0 splits is padding and writes nothing. ``fuse_reduce``: each row's last split
-    to finish merges the splits (bit-equal to the reduction kernel, which is then skipped).
+    row with 0 splits is padding and writes nothing.
 
     With ``q_index`` [B] the rows are the one-token rows of a mixed batch: row b's query is
     token ``q_index[b]`` of q [T, Hq, D], and its result goes to that token's row of ``out``
@@ -312,47 +280,25 @@ def decode_attention(
         mid_o = torch.empty(bsz, hq, max_splits, d, dtype=torch.float32, device=q.device)
         mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
         mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
-    block_s = max(2, triton.next_power_of_2(max_splits))
-    reduce_warps = 2 if block_d <= 64 else 4
-    # Fused only where the merge runs with the reduction kernel's warp count (its layout,
-    # and so its summation order, depends on it) and the counters cover the grid.
-    fuse = (
-        fuse_reduce and max_splits > 1 and num_warps == reduce_warps
-        and bsz * hk <= _MAX_COUNTERS
-    )  # fmt: skip
     _decode_split_kernel[(bsz, hk, max_splits)](
         q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, q_index_arg, mid_o,
         mid_lse, sm_scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
-        out, _split_counters(q.device) if fuse else num_splits, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, **_dot_mode(q.dtype), GATHER=gather,
-        DIRECT=max_splits == 1, FUSE_REDUCE=fuse, BLOCK_S=block_s,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        DIRECT=max_splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )  # fmt: skip
-    if max_splits == 1 or fuse:
+    if max_splits == 1:
         return out.view(num_tokens, hq * d)
     _decode_reduce_kernel[(bsz, hq)](
         mid_o, mid_lse, num_splits, q_index_arg, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
-        GATHER=gather, num_warps=reduce_warps, **pdl_args(),
+        HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)), BLOCK_D=block_d,
+        GATHER=gather, num_warps=2 if block_d <= 64 else 4, **pdl_args(),
     )  # fmt: skip
     return out.view(num_tokens, hq * d)
-
-
-# Finished-split counts of the fused merge, one per (row, KV head); each row's last split
-# resets its count, so one zeroed buffer per device serves every call (and graph replay).
-_MAX_COUNTERS = 1 << 18
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    if device not in _counters:
-        _counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def extend_attention(

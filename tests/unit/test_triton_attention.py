@@ -18,7 +18,6 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -279,33 +278,6 @@ def test_bf16(kind: str) -> None:
         run_case(
             [37, 100, 3], [1, 1, 1], 4, 2, 64, 16, dtype=torch.bfloat16, backend_kw=SMALL_SPLITS
         )
-
-
-@pytest.mark.parametrize("mixed", [False, True])
-@interpreted
-def test_fused_split_merge_is_bit_equal_to_the_reduction_kernel(mixed: bool) -> None:
-    """MINISGL_FUSED_DECODE_REDUCE: each row's last split to finish merges the splits (for
-    its KV head's query heads) instead of the reduction kernel: the same bits, call after
-    call (its counters reset themselves), in a decode batch and for the one-token rows of a
-    mixed batch; head_dim 128, where the merge runs with the reduction kernel's warps."""
-    from minisgl.kernels import attention as kernels
-
-    hq, hk, d, ps = 8, 2, 128, 16
-    prefix = [0, 37, 100, 3, 150] if mixed else [37, 100, 3, 150, 64]
-    ext = [20, 1, 1, 1, 1] if mixed else [1] * 5
-    outs = []
-    for fuse in (False, True):
-        kw: dict[str, Any] = {**SMALL_TILES, **SMALL_SPLITS, "fuse_decode_reduce": fuse}
-        world = make_world(prefix, ext, hk, d, ps, torch.float32, 21)
-        backend = TritonBackend(world.pool, **kw)
-        md = backend.prepare(world.layout, DEVICE)
-        assert max(md.num_splits.tolist()) > 1
-        g = torch.Generator().manual_seed(5)
-        for _ in range(2):
-            q, k, v = (torch.randn(sum(ext), h, d, generator=g).to(DEVICE) for h in (hq, hk, hk))
-            outs.append(backend.forward(q, k, v, 1, world.out_slots, md, 0.1))
-    assert all(torch.equal(a, b) for a, b in zip(outs[:2], outs[2:], strict=True))
-    assert int(kernels._split_counters(DEVICE).abs().sum()) == 0  # every count reset
 
 
 @interpreted
