@@ -10,7 +10,6 @@ from torch import nn
 from minisgl.distributed import TPInfo
 from minisgl.layers.linear import QKVParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.prefetch import prefetch
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
@@ -45,7 +44,6 @@ class SelfAttention(nn.Module):
     def attend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The attention output before o_proj, [T, heads * head_dim]."""
         qkv = self.qkv_proj(x)
-        prefetch("o", self.o_proj.weight, qkv.shape[0])  # L2 fills while attention runs
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

@@ -5,7 +5,6 @@ from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.layers.linear import RowParallelProduct
-from minisgl.layers.prefetch import prefetch
 
 
 class RMSNorm(nn.Module):
@@ -28,23 +27,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
     def add_norm(
-        self,
-        x: torch.Tensor | RowParallelProduct,
-        residual: torch.Tensor | None,
-        tp: TPInfo,
-        next_weight: tuple[str, torch.Tensor] | None = None,
+        self, x: torch.Tensor | RowParallelProduct, residual: torch.Tensor | None, tp: TPInfo
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward_with_residual`` of a layer's output over the TP ranks, which may still be
-        a product to take: then in the GEMV's kernel where it can (RowParallelLinear.add_norm).
-        ``next_weight``: (prefetch site, weight) of the product after this norm, asked into L2
-        while the all-reduce and the norm run (layers/prefetch.py)."""
+        a product to take: then in the GEMV's kernel where it can (RowParallelLinear.add_norm)."""
         if isinstance(x, RowParallelProduct):
             fused = x.layer.add_norm(x.x, residual, self) if residual is not None else None
             if fused is not None:
                 return fused
             x = x.partial_sum()
-        if next_weight is not None:
-            prefetch(*next_weight, x.shape[0])
         return self.forward_with_residual(x, residual, tp)
 
     def forward_with_residual(

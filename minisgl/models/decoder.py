@@ -73,11 +73,9 @@ class DecoderLayer(nn.Module):
         """x and the returned output are partial sums over the TP ranks, or row-parallel
         products not yet taken: the norm that follows takes them, fused with the all-reduce
         (peer memory, TP > 1) or the GEMV (one row, TP = 1) where it can (RMSNorm.add_norm)."""
-        qkv = ("qkv", self.self_attn.qkv_proj.weight)
-        h, residual = self.input_layernorm.add_norm(x, residual, self.tp, qkv)
+        h, residual = self.input_layernorm.add_norm(x, residual, self.tp)
         attn = RowParallelProduct(self.self_attn.o_proj, self.self_attn.attend(h, batch))
-        up = ("up", self.mlp.gate_up_proj.weight) if isinstance(self.mlp, GatedMLP) else None
-        h, residual = self.post_attention_layernorm.add_norm(attn, residual, self.tp, up)
+        h, residual = self.post_attention_layernorm.add_norm(attn, residual, self.tp)
         if isinstance(self.mlp, GatedMLP):
             return RowParallelProduct(self.mlp.down_proj, self.mlp.activation(h)), residual
         return self.mlp(h, reduce=False), residual
