@@ -2,7 +2,7 @@
 linear layers of Qwen3-0.6B and Qwen3-8B, timed inside CUDA graphs (as decode runs them: a
 Triton launch costs 30-60 us of host time, more than these kernels take on the GPU).
 
-    python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--gated | --norm] [--shapes 8B]
+    python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--gated] [--shapes 8B]
         [--write-table table.json]
     MINISGL_TRITON_GEMV=1 MINISGL_GEMV_TABLE=table.json python benchmark/offline/bench_latency.py ...
 
@@ -85,40 +85,6 @@ def rotating(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> Ca
     return run
 
 
-def norm_epilogue(shapes: dict[str, tuple[int, int]], cold: bool) -> None:
-    """--norm: batch-1 products followed by the residual add + RMSNorm (o/down shapes, the
-    rule's tiles): the GEMV then the norm kernel vs the GEMV with the norm in its epilogue
-    (MINISGL_FUSED_GEMV_NORM), each in one graph."""
-    for name, (n, k) in shapes.items():
-        print(f"{name:13s} {time_norm_epilogue(n, k, cold)}", flush=True)
-
-
-def time_norm_epilogue(n: int, k: int, cold: bool) -> str:
-    from minisgl.kernels.gemv import gemv, gemv_add_rms_norm, gemv_choice, norm_fusable
-    from minisgl.kernels.norm import fused_add_rms_norm
-
-    tiles = gemv_choice(1, n, k)
-    if tiles is None or not norm_fusable(n, tiles):
-        return "norm epilogue: not taken here (cuBLAS, or another warp count)"
-    ws = weight_copies(n, k, cold)
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    res = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
-    nw = torch.ones(n, device="cuda", dtype=torch.bfloat16)
-
-    def apart(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_add_rms_norm(gemv(x, w, None, tiles), res, nw, 1e-6)
-
-    def fused(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return gemv_add_rms_norm(x, w, tiles, res, nw, 1e-6)
-
-    same = all(torch.equal(a, b) for a, b in zip(apart(ws[0]), fused(ws[0]), strict=True))
-    t_apart = graph_time_us(rotating(apart, ws)) / len(ws)
-    t_fused = graph_time_us(rotating(fused, ws)) / len(ws)
-    return (
-        f"GEMV + norm kernel {t_apart:6.1f} us | norm epilogue {t_fused:6.1f} us | bit-equal {same}"
-    )
-
-
 def main() -> None:
     from minisgl.kernels.activation import silu_and_mul
     from minisgl.kernels.gemv import gemv, gemv_tiles
@@ -129,17 +95,12 @@ def main() -> None:
     ap.add_argument("--gated", action="store_true")
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--write-table", default=None)
-    ap.add_argument("--norm", action="store_true", help="time the GEMV's norm epilogue")
     args = ap.parse_args()
     bf = torch.bfloat16
     table = []
     shapes = {
         k: v for k, v in SHAPES.items() if (not args.gated or k in GATE_UP) and args.shapes in k
     }
-    if args.norm:
-        outs = {k: v for k, v in shapes.items() if k.endswith((" o", " down"))}
-        norm_epilogue(outs, args.cold)
-        return
     for name, (n, k) in shapes.items():
         ws = weight_copies(n, k, args.cold)
         per = len(ws)

@@ -20,12 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from minisgl.kernels.gemv_epilogue import PeerSum
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +106,6 @@ class PeerAllReduce:
             and programs(x.shape[0], x.shape[1]) <= NORM_MAX_PROGRAMS
             and (residual is None or residual.stride(1) == 1)
         )
-
-    def peer_sum(self, rows: int, n_cols: int, dtype: torch.dtype) -> PeerSum | None:
-        """The buffers as a GEMV's all-reduce + norm epilogue takes them (kernels/gemv.py),
-        or None where a [rows, n_cols] product does not fit them."""
-        from minisgl.kernels.all_reduce_norm import programs
-        from minisgl.kernels.gemv_epilogue import PeerSum
-
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if not (
-            self.fuse_norm
-            and dtype in _NORM_DTYPES
-            and rows * n_cols * itemsize <= NORM_SLOT_BYTES
-            and programs(rows, n_cols) <= NORM_MAX_PROGRAMS
-        ):
-            return None
-        slot_elems = NORM_SLOT_BYTES // itemsize
-        return PeerSum(self.norm_bufs, self.norm_flags, self.norm_epochs, slot_elems, self.rank)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -31,32 +31,31 @@ from minisgl.kernels.norm import row_tile
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 
-@triton.jit
-def publish(
-    x_ptr, stride_x, bufs_ptr, epoch, rows, cols, mask, n_cols, slot_elems,
-    RANK: tl.constexpr, FRESH: tl.constexpr,
-):  # fmt: skip
-    """Copy rows of this rank's partial sum into its symmetric buffer (the epoch's slot);
-    returns them. FRESH: written by other programs of the running kernel (not from L1)."""
-    dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + (rows * stride_x)[:, None] + cols[None, :], mask=mask, other=0.0,
-                volatile=FRESH)  # fmt: skip
-    own_buf = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype))
-    tl.store(own_buf + (epoch % 2) * slot_elems + (rows * n_cols)[:, None] + cols[None, :], x,
-             mask=mask)  # fmt: skip
-    return x
-
-
-@triton.jit
-def exchange(
-    flags_ptr, flag_id, epoch,
+@triton.jit(do_not_specialize=["n_rows"])
+def _all_reduce_add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, bufs_ptr, flags_ptr, epochs_ptr,
+    n_rows, n_cols, stride_x, stride_r, slot_elems, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Raise flag ``flag_id`` to ``epoch`` in every peer's array, then wait for theirs."""
+    pdl_wait(PDL)
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    dtype = x_ptr.dtype.element_ty
+
+    epoch = tl.load(epochs_ptr + pid) + 1
+    tl.store(epochs_ptr + pid, epoch)
+    buf_off = (epoch % 2) * slot_elems + (rows * n_cols)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + (rows * stride_x)[:, None] + cols[None, :], mask=mask, other=0.0)
+    own_buf = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype))
+    tl.store(own_buf + buf_off, x, mask=mask)
     # Every thread's copy is done before the flag goes up (the barrier, then one release
     # at system scope, which covers the writes the barrier ordered before it).
     tl.debug_barrier()
-    flag = RANK * MAX_PROGRAMS + flag_id
+    flag = RANK * MAX_PROGRAMS + pid
     for q in tl.static_range(WORLD):
         if q != RANK:
             peer_flags = tl.load(flags_ptr + q).to(tl.pointer_type(tl.int64))
@@ -64,26 +63,15 @@ def exchange(
     own_flags = tl.load(flags_ptr + RANK).to(tl.pointer_type(tl.int64))
     for q in tl.static_range(WORLD):
         if q != RANK:
-            wait = own_flags + q * MAX_PROGRAMS + flag_id
-            seen = tl.atomic_add(wait, 0, sem="acquire", scope="sys")
+            seen = tl.atomic_add(own_flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
             while seen < epoch:
-                seen = tl.atomic_add(wait, 0, sem="acquire", scope="sys")
+                seen = tl.atomic_add(
+                    own_flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys"
+                )
     tl.debug_barrier()
 
-
-@triton.jit
-def sum_add_norm(
-    x, bufs_ptr, epoch, res_ptr, stride_r, w_ptr, out_ptr, res_out_ptr, rows, cols, col_mask,
-    mask, n_cols, slot_elems, eps,
-    RANK: tl.constexpr, WORLD: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """Sum the ranks' rows (``x``: this rank's) in rank order, add the residual, normalise:
-    the arithmetic of kernels/norm.py (ASM: products rounded explicitly, for kernels that
-    are compiled with FMA contraction)."""
-    dtype = x.dtype
-    buf_off = (epoch % 2) * slot_elems + (rows * n_cols)[:, None] + cols[None, :]
-    # Rounding after each add like a chain of dtype additions.
-    acc = tl.zeros(x.shape, tl.float32)
+    # Sum in rank order, rounding after each add like a chain of dtype additions.
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for q in tl.static_range(WORLD):
         if q == RANK:
             part = x.to(tl.float32)
@@ -100,48 +88,11 @@ def sum_add_norm(
         acc = (acc + r.to(tl.float32)).to(dtype).to(tl.float32)
     tl.store(res_out_ptr + out_off, acc.to(dtype), mask=mask)
 
-    var = tl.sum(mul_rn(acc, acc, ASM), axis=1) / n_cols
+    var = tl.sum(acc * acc, axis=1) / n_cols
     rstd = tl.rsqrt(var + eps)
     y = (acc * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_off, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def mul_rn(a, b, ASM: tl.constexpr):
-    # An explicitly rounded product is never contracted into an FMA, so a sum of squares
-    # rounds as in kernels compiled without FMA contraction (kernels/norm.py) also inside
-    # kernels compiled with it. Triton's interpreter has no inline assembly (nor contraction).
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return a * b
-
-
-@triton.jit(do_not_specialize=["n_rows"])
-def _all_reduce_add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, bufs_ptr, flags_ptr, epochs_ptr,
-    n_rows, n_cols, stride_x, stride_r, slot_elems, eps,
-    RANK: tl.constexpr, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
-    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    pdl_wait(PDL)
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    epoch = tl.load(epochs_ptr + pid) + 1
-    tl.store(epochs_ptr + pid, epoch)
-    x = publish(x_ptr, stride_x, bufs_ptr, epoch, rows, cols, mask, n_cols, slot_elems, RANK,
-                False)  # fmt: skip
-    exchange(flags_ptr, pid, epoch, RANK, WORLD, MAX_PROGRAMS)
-    sum_add_norm(
-        x, bufs_ptr, epoch, res_ptr, stride_r, w_ptr, out_ptr, res_out_ptr, rows, cols,
-        col_mask, mask, n_cols, slot_elems, eps, RANK, WORLD, HAS_RES, False,
-    )  # fmt: skip
 
 
 def programs(n_rows: int, n_cols: int) -> int:

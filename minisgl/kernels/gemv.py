@@ -22,13 +22,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
-from minisgl.kernels.gemv_epilogue import (
-    PeerSum,
-    add_rms_norm_epilogue,
-    all_reduce_add_rms_norm_epilogue,
-    finished_counter,
-)
-from minisgl.kernels.norm import row_tile
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -37,12 +30,8 @@ MAX_ROWS = 4
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
-    res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, eps,
-    bufs_ptr, flags_ptr, epochs_ptr, slot_elems,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr, NORM_M: tl.constexpr, NORM_N: tl.constexpr, ASM: tl.constexpr,
-    WORLD: tl.constexpr, RANK: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
@@ -96,18 +85,6 @@ def _gemv_kernel(
         y = act * up.to(dtype).to(tl.float32)
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
-    # NORM with WORLD > 1: the all-reduce too (the row-parallel layers of a TP model).
-    if NORM and WORLD == 1:
-        add_rms_norm_epilogue(
-            out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
-            stride_om, eps, NORM_M, NORM_N, ASM,
-        )  # fmt: skip
-    if NORM and WORLD > 1:
-        all_reduce_add_rms_norm_epilogue(
-            out_ptr, res_ptr, nw_ptr, norm_out_ptr, res_out_ptr, counter_ptr, rows, n_cols,
-            stride_om, eps, bufs_ptr, flags_ptr, epochs_ptr, slot_elems, NORM_M, NORM_N, ASM,
-            RANK, WORLD, MAX_PROGRAMS,
-        )  # fmt: skip
 
 
 Tiles = GemvTiles
@@ -148,50 +125,6 @@ def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
     return 1, 8, 512, 4, 4
 
 
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    tiles: Tiles | None,
-    gated: bool,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    peer: PeerSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    rows, k_dim = x.shape
-    n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
-    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
-    assert not gated or weight.shape[0] % 2 == 0
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
-    normed = res_out = None
-    block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
-    norm_m, norm_n = 1, 1
-    residual, norm_weight, eps = out, out, 0.0
-    if norm is not None:
-        residual, norm_weight, eps = norm
-        norm_m, norm_n, norm_warps = row_tile(n_cols)
-        assert norm_warps == warps and residual.is_contiguous() and residual.shape == out.shape
-        normed = torch.empty_like(out, dtype=torch.promote_types(x.dtype, norm_weight.dtype))
-        res_out = torch.empty_like(out)
-    if rows == 0:
-        return out, normed, res_out
-    _gemv_kernel[(cdiv(n_cols, block_n),)](
-        x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
-        x.stride(0), weight.stride(0), out.stride(0),
-        residual, norm_weight, normed if normed is not None else out,
-        res_out if res_out is not None else out,
-        finished_counter(x.device) if norm is not None else out, eps,
-        *((peer.bufs, peer.flags, peer.epochs, peer.slot_elems) if peer else (out, out, out, 0)),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, NORM=norm is not None, NORM_M=norm_m, NORM_N=norm_n,
-        ASM=not _interpreting(), WORLD=peer.bufs.numel() if peer else 1,
-        RANK=peer.rank if peer else 0, MAX_PROGRAMS=peer.epochs.numel() if peer else 1,
-        num_warps=warps, num_stages=stages, **pdl_args(),
-    )  # fmt: skip
-    return out, normed, res_out
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -201,34 +134,20 @@ def gemv(
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     ``gated``: weight is [gate; up] (N = 2I) and the result is silu(gate) * up, [M, I]."""
-    return _launch(x, weight, bias, tiles, gated)[0]
-
-
-def norm_fusable(n_cols: int, tiles: Tiles | None, rows: int = 1) -> bool:
-    """Whether ``gemv_add_rms_norm`` can take this product: the norm's tile (kernels/norm.py,
-    which fixes its reduction order) must run with the GEMV's warp count."""
+    rows, k_dim = x.shape
+    n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
+    assert not gated or weight.shape[0] % 2 == 0
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
     block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
-    return row_tile(n_cols)[2] == warps
-
-
-def gemv_add_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    tiles: Tiles | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    peer: PeerSum | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rmsnorm(y + residual) * norm_weight, y + residual) for y = x weight^T, in one kernel:
-    the same bits as ``gemv`` followed by kernels/norm.py's ``fused_add_rms_norm``. With
-    ``peer``, y is summed over the TP ranks first: the same bits as ``gemv`` followed by
-    kernels/all_reduce_norm.py (every rank must make the same calls)."""
-    norm = (residual, norm_weight, eps)
-    _, normed, res_out = _launch(x, weight, None, tiles, False, norm, peer)
-    assert normed is not None and res_out is not None
-    return normed, res_out
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    _gemv_kernel[(cdiv(n_cols, block_n),)](
+        x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
+    )  # fmt: skip
+    return out

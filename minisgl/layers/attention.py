@@ -39,10 +39,6 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: o_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        return self.o_proj(self.attend(x, batch), reduce)
-
-    def attend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """The attention output before o_proj, [T, heads * head_dim]."""
         qkv = self.qkv_proj(x)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -61,7 +57,7 @@ class SelfAttention(nn.Module):
             out = backend.forward(
                 q, k, v, self.layer_id, batch.out_slots, batch.attn_metadata, self.scale
             )
-        return out
+        return self.o_proj(out, reduce)
 
     def _norm_rope_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch

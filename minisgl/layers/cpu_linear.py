@@ -43,9 +43,6 @@ TRITON_GEMV = os.environ.get("MINISGL_TRITON_GEMV", "1").lower() not in _OFF
 # Batch 1: the MLP's SiLU-and-mul in the gate/up GEMV's epilogue (bit-equal, one kernel
 # less per layer). Off until measured on the H200 (benchmark/RESULTS.md).
 FUSED_GATE_UP = os.environ.get("MINISGL_FUSED_GATE_UP", "0").lower() not in _OFF
-# Batch 1, TP=1: the residual add + RMSNorm after o_proj and down_proj in their GEMV's
-# epilogue (bit-equal, one kernel less each). Off until measured on the H200.
-FUSED_GEMV_NORM = os.environ.get("MINISGL_FUSED_GEMV_NORM", "0").lower() not in _OFF
 _gemv: Any = None  # kernels.gemv.gemv, imported by pack_model (CPU installs never import triton)
 
 

@@ -7,19 +7,13 @@ checkpoint tensor into it, so loading never materialises the full merged weight.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.kernels import GemvTiles
-from minisgl.layers import cpu_linear
 from minisgl.layers.cpu_linear import linear
-
-if TYPE_CHECKING:
-    from minisgl.layers.norm import RMSNorm
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
@@ -119,40 +113,6 @@ class RowParallelLinear(nn.Module):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
-    def add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(norm(s + residual), s + residual) for s = this layer's product of ``x`` summed
-        over the TP ranks, taken in one GEMV kernel with the all-reduce (TP > 1, over GPU
-        peer memory), the add and the norm in its epilogue (kernels/gemv.py); None where that
-        does not apply: a bias, more than one row, no GEMV for this layer, no peer memory,
-        MINISGL_FUSED_GEMV_NORM off."""
-        if (
-            not cpu_linear.FUSED_GEMV_NORM
-            or self.gemv_tiles is None
-            or self.bias is not None
-            or x.dim() != 2
-            or x.shape[0] != 1
-            or not residual.is_contiguous()
-        ):
-            return None
-        from minisgl.kernels.gemv import gemv_add_rms_norm, norm_fusable
-
-        n_cols = self.weight.shape[0]
-        if not norm_fusable(n_cols, self.gemv_tiles):
-            return None
-        peer = None
-        if self.tp.size > 1:
-            from minisgl.distributed import peer_all_reduce
-
-            active = peer_all_reduce.active()
-            peer = active.peer_sum(1, n_cols, x.dtype) if active is not None else None
-            if peer is None:
-                return None
-        return gemv_add_rms_norm(
-            x, self.weight, self.gemv_tiles, residual, norm.weight, norm.eps, peer
-        )
-
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce (fused with
         the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
@@ -164,16 +124,3 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
-
-
-@dataclass
-class RowParallelProduct:
-    """A row-parallel layer's input whose product is not taken yet: the residual add +
-    RMSNorm that follows takes it, fused with the GEMV where it can (RMSNorm.add_norm)."""
-
-    layer: RowParallelLinear
-    x: torch.Tensor
-
-    def partial_sum(self) -> torch.Tensor:
-        """The product: this rank's partial sum (all-reduced by the norm)."""
-        return self.layer(self.x, reduce=False)

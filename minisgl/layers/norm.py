@@ -4,7 +4,6 @@ import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
-from minisgl.layers.linear import RowParallelProduct
 
 
 class RMSNorm(nn.Module):
@@ -25,18 +24,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
-
-    def add_norm(
-        self, x: torch.Tensor | RowParallelProduct, residual: torch.Tensor | None, tp: TPInfo
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward_with_residual`` of a layer's output over the TP ranks, which may still be
-        a product to take: then in the GEMV's kernel where it can (RowParallelLinear.add_norm)."""
-        if isinstance(x, RowParallelProduct):
-            fused = x.layer.add_norm(x.x, residual, self) if residual is not None else None
-            if fused is not None:
-                return fused
-            x = x.partial_sum()
-        return self.forward_with_residual(x, residual, tp)
 
     def forward_with_residual(
         self, x: torch.Tensor, residual: torch.Tensor | None, tp: TPInfo | None = None

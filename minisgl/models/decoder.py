@@ -16,13 +16,10 @@ from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.attention import SelfAttention
 from minisgl.layers.cpu_linear import gated_gemv
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear, RowParallelProduct
+from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
-
-# A layer's output: a partial sum over the TP ranks, or a product still to take.
-Output = torch.Tensor | RowParallelProduct
 
 
 class GatedMLP(nn.Module):
@@ -40,14 +37,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: down_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        return self.down_proj(self.activation(x), reduce)
-
-    def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """down_proj's input: act(gate) * up."""
         gate_up = self.gate_up_proj
         if self.fused_tiles is not None and x.shape[0] == 1:
-            return gated_gemv(x, gate_up.weight, gate_up.bias, self.fused_tiles)
-        return self.act(gate_up(x))
+            h = gated_gemv(x, gate_up.weight, gate_up.bias, self.fused_tiles)
+            return self.down_proj(h, reduce)
+        return self.down_proj(self.act(gate_up(x)), reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -68,16 +62,13 @@ class DecoderLayer(nn.Module):
         self.tp = tp
 
     def forward(
-        self, x: Output, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[Output, torch.Tensor]:
-        """x and the returned output are partial sums over the TP ranks, or row-parallel
-        products not yet taken: the norm that follows takes them, fused with the all-reduce
-        (peer memory, TP > 1) or the GEMV (one row, TP = 1) where it can (RMSNorm.add_norm)."""
-        h, residual = self.input_layernorm.add_norm(x, residual, self.tp)
-        attn = RowParallelProduct(self.self_attn.o_proj, self.self_attn.attend(h, batch))
-        h, residual = self.post_attention_layernorm.add_norm(attn, residual, self.tp)
-        if isinstance(self.mlp, GatedMLP):
-            return RowParallelProduct(self.mlp.down_proj, self.mlp.activation(h)), residual
+        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x and the returned output are partial sums over the TP ranks: every all-reduce
+        happens inside the norm that follows it (fused with it on GPUs with peer memory)."""
+        h, residual = self.input_layernorm.forward_with_residual(x, residual, self.tp)
+        h = self.self_attn(h, batch, reduce=False)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, self.tp)
         return self.mlp(h, reduce=False), residual
 
 
@@ -92,12 +83,12 @@ class DecoderModel(nn.Module):
         self.tp = tp
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        x: Output = self.embed_tokens(batch.input_ids, reduce=False)
+        x = self.embed_tokens(batch.input_ids, reduce=False)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, batch)
-        out, _ = self.norm.add_norm(x, residual, self.tp)
-        return out
+        x, _ = self.norm.forward_with_residual(x, residual, self.tp)
+        return x
 
 
 class CausalLM(nn.Module):

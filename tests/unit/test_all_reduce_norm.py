@@ -98,46 +98,6 @@ def check_four_ranks_sum_in_rank_order(device: torch.device) -> None:
         _run_group(device, F16, 4, rank, rows=2, d=256, res=True)
 
 
-def check_gemv_epilogue_all_reduce_matches_unfused(device: torch.device) -> None:
-    """The GEMV whose last program all-reduces its product with the peers and adds and
-    normalises it (kernels/gemv.py, MINISGL_FUSED_GEMV_NORM at TP > 1) gives the bits of the
-    GEMV followed by the rank-order sum and fused_add_rms_norm; it uses program 0's flag and
-    epoch, so calls mix freely with the standalone kernel's."""
-    from minisgl.kernels.gemv import gemv, gemv_add_rms_norm, gemv_tiles
-    from minisgl.kernels.gemv_epilogue import PeerSum
-    from minisgl.kernels.norm import fused_add_rms_norm
-
-    for dtype, rank, (rows, n, k) in ((F32, 0, (1, 96, 64)), (F16, 1, (2, 100, 48))):
-        g = torch.Generator().manual_seed(rank)
-        world, slot = 2, rows * n + 32
-        peer = 1 - rank
-        bufs = [torch.zeros(2 * slot, dtype=dtype, device=device) for _ in range(world)]
-        flags = [torch.zeros(world * MAX_PROGRAMS, dtype=torch.int64, device=device) for _ in bufs]
-        epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
-        sums = PeerSum(
-            torch.tensor([b.data_ptr() for b in bufs], device=device),
-            torch.tensor([f.data_ptr() for f in flags], device=device),
-            epochs, slot, rank,
-        )  # fmt: skip
-        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
-        nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
-        tiles = gemv_tiles(rows)
-        for epoch in (1, 2):
-            x = torch.randn(rows, k, generator=g).to(dtype).to(device)
-            other = torch.randn(rows, n, generator=g).to(dtype).to(device)  # the peer's part
-            res = torch.randn(rows, n, generator=g).to(dtype).to(device)
-            s = epoch % 2
-            bufs[peer][s * slot : s * slot + rows * n] = other.reshape(-1)
-            flags[rank][peer * MAX_PROGRAMS] = epoch
-            got, got_res = gemv_add_rms_norm(x, w, tiles, res, nw, EPS, sums)
-            mine = gemv(x, w, None, tiles)
-            total = mine + other if rank == 0 else other + mine
-            want, want_res = fused_add_rms_norm(total, res, nw, EPS)
-            assert torch.equal(got_res, want_res) and torch.equal(got, want), (dtype, epoch)
-            assert flags[peer][rank * MAX_PROGRAMS] == epoch and int(epochs[0]) == epoch
-            assert torch.equal(bufs[rank][s * slot : s * slot + rows * n].view(rows, n), mine)
-
-
 CHECKS = kernel_checks.collect(globals())
 
 

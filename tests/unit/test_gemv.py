@@ -90,38 +90,6 @@ def check_gemv_gated_equals_gemv_then_silu(device: torch.device) -> None:
         assert torch.equal(got, ref), (rows, inter, k, dtype, (got != ref).sum().item())
 
 
-def check_gemv_with_add_rms_norm_equals_gemv_then_norm(device: torch.device) -> None:
-    """The norm epilogue (the last program to finish adds the residual and normalises whole
-    rows) gives the bits of the GEMV followed by kernels/norm.py's fused_add_rms_norm, call
-    after call (its finished-program counter resets itself), with 1-4 rows, ragged widths and
-    several programs. Bit-equal where casts round like the GPU's (the interpreter truncates
-    to bfloat16: there a few ulps)."""
-    from minisgl.kernels.gemv import gemv, gemv_add_rms_norm, gemv_tiles, norm_fusable
-    from minisgl.kernels.norm import fused_add_rms_norm
-
-    g = torch.Generator().manual_seed(9)
-    cases = ((1, 96, 256, torch.float16, None), (3, 100, 300, torch.float16, None),
-             (1, 4096, 512, torch.bfloat16, (1, 8, 1024, 4, 4)),
-             (4, 64, 128, torch.bfloat16, None), (2, 40, 64, torch.float32, None))  # fmt: skip
-    for rows, n, k, dtype, tiles in cases:
-        t = tiles or gemv_tiles(rows)
-        assert norm_fusable(n, t, rows)
-        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
-        nw = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(device)
-        for _ in range(2):
-            x = torch.randn(rows, k, generator=g).to(dtype).to(device)
-            res = torch.randn(rows, n, generator=g).to(dtype).to(device)
-            got, got_res = gemv_add_rms_norm(x, w, t, res, nw, 1e-6)
-            want, want_res = fused_add_rms_norm(gemv(x, w, None, t), res, nw, 1e-6)
-            if dtype != torch.bfloat16 or device.type == "cuda":
-                assert torch.equal(got_res, want_res) and torch.equal(got, want), (rows, n, dtype)
-            else:
-                torch.testing.assert_close(got_res.float(), want_res.float(), atol=4e-2, rtol=4e-2)
-                torch.testing.assert_close(got.float(), want.float(), atol=6e-2, rtol=6e-2)
-    # The norm's tile at 8,192 columns runs 8 warps; the GEMV's default 4: not fusable.
-    assert not norm_fusable(8192, gemv_tiles(1))
-
-
 CHECKS = kernel_checks.collect(globals())
 
 
