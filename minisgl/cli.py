@@ -31,6 +31,8 @@ FLAG_HELP: dict[str, str] = {
     "device": "auto | cpu | cuda | cuda:N",
     "context_length": "cap on prompt + output tokens per request",
     "page_size": "tokens per KV page",
+    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) | fp8_e4m3 (alias fp8) "
+    "| fp8_e5m2 (1 byte per element: about twice the tokens of a bf16 cache)",
     "num_pages": "KV pool size in pages (default: from the memory budget)",
     "mem_fraction_static": "GPU: share of device memory for weights + KV cache",
     "cpu_kv_cache_gb": "CPU: KV pool budget in GiB",

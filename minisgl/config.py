@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+# --kv-cache-dtype values (minisgl/kvcache/kv_dtype.py maps them to torch dtypes); "fp8" is
+# vLLM's spelling of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -17,6 +21,9 @@ class EngineConfig:
     seed: int = 0
     context_length: int | None = None  # cap on prompt + output tokens per request
     page_size: int = 1
+    # KV pool element type: auto (the model's dtype) | fp8_e4m3 (alias fp8) | fp8_e5m2. fp8
+    # holds twice a bf16 pool's tokens in the same memory (scale 1.0, saturating stores).
+    kv_cache_dtype: str = "auto"
     num_pages: int | None = None  # KV pool size in pages; default from the memory budget
     mem_fraction_static: float = 0.85  # GPU: share of device memory for weights + KV
     cpu_kv_cache_gb: float = 1.0  # CPU: KV pool budget
@@ -94,6 +101,19 @@ class EngineConfig:
             "dtype",
             self.dtype,
             "auto, float32, bfloat16 or float16",
+        )
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            ", ".join(KV_CACHE_DTYPES),
+        )
+        _check(
+            self.kv_cache_dtype == "auto" or self.attention_backend != "flashinfer",
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            "the flashinfer attention backend supports only auto: use attention_backend "
+            "triton or torch with an fp8 KV cache",
         )
         _check(self.tp_size >= 1, "tp_size", self.tp_size, ">= 1")
         if self.speculative_draft_model is not None and self.speculative_algorithm is None:

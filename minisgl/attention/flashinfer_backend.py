@@ -73,6 +73,12 @@ class FlashInferBackend(AttentionBackend):
             ) from exc
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' runs on CUDA only")
+        if pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            # EngineConfig refuses this first; kept for backends built by hand.
+            raise ValueError(
+                "attention_backend='flashinfer' does not support an fp8 KV cache: use "
+                "--kv-cache-dtype auto, or the triton attention backend"
+            )
         if pool.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(
                 f"attention_backend='flashinfer' needs a 16-bit dtype (bfloat16 or float16), "

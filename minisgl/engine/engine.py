@@ -27,6 +27,7 @@ from minisgl.engine.sampler import (
     SamplingRows,
 )
 from minisgl.engine.staging import DeviceStager
+from minisgl.kvcache.kv_dtype import kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
 from minisgl.models.config import ModelConfig
@@ -100,6 +101,9 @@ class Engine:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         else:
             self.dtype = _DTYPES[config.dtype]
+        # The KV pool's element type: the model's, or fp8 (1 byte: the pool sizing below
+        # then fits twice a bf16 pool's pages in the same budget).
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.resolved = resolve_model_path(config.model)
         self.hf_config = read_hf_config(self.resolved)
         self.model_config = ModelConfig.from_dict(self.hf_config)
@@ -162,7 +166,7 @@ class Engine:
         cfg, c = self.model_config, self.config
         kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # type: ignore[index,union-attr]
         per_page = KVPool.bytes_per_page(
-            cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.dtype
+            cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.kv_dtype
         )
         if c.num_pages is not None:
             num_pages = c.num_pages
@@ -172,7 +176,7 @@ class Engine:
             if c.speculative_draft_model is not None:
                 from minisgl.speculative.draft_model import draft_footprint
 
-                draft_weights, draft_page = draft_footprint(c, self.dtype)
+                draft_weights, draft_page = draft_footprint(c, self.dtype, self.kv_dtype)
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 used = total - free
@@ -203,10 +207,11 @@ class Engine:
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
             num_pages = int(t.item())
         logger.info(
-            "KV pool: %d pages of %d tokens (%.2f GiB)",
+            "KV pool: %d pages of %d tokens (%.2f GiB, %s)",
             num_pages,
             c.page_size,
             num_pages * per_page / 2**30,
+            str(self.kv_dtype).removeprefix("torch."),
         )
         pool = KVPool(
             cfg.num_layers,
@@ -214,7 +219,7 @@ class Engine:
             c.page_size,
             kv_heads,
             cfg.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         pool.num_pages = num_pages  # usable pages; the extra one is the scratch page

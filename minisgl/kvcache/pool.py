@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.kvcache.kv_dtype import is_fp8, to_kv_dtype
+
 
 class KVPool:
     """K and V for ``num_pages * page_size`` token slots per layer, NHD layout per slot.
 
     A slot index is ``page_id * page_size + offset``; page tables store slot indices, so
-    attention can gather any token regardless of the page size.
+    attention can gather any token regardless of the page size. ``dtype`` may be an fp8 type
+    (``--kv-cache-dtype``, see kv_dtype.py): stores saturate into it, readers upcast.
     """
 
     def __init__(
@@ -40,8 +43,12 @@ class KVPool:
         return self.buffer[1, layer]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.buffer[0, layer].index_copy_(0, slots, k.to(self.dtype))
-        self.buffer[1, layer].index_copy_(0, slots, v.to(self.dtype))
+        k, v, dst = to_kv_dtype(k, self.dtype), to_kv_dtype(v, self.dtype), self.buffer
+        if is_fp8(self.dtype):
+            # index_copy_ has no fp8 kernel on CPU: copy the bytes instead.
+            k, v, dst = k.view(torch.uint8), v.view(torch.uint8), dst.view(torch.uint8)
+        dst[0, layer].index_copy_(0, slots, k)
+        dst[1, layer].index_copy_(0, slots, v)
 
     @staticmethod
     def bytes_per_page(

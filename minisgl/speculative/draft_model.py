@@ -45,9 +45,12 @@ def _draft_model_config(config: EngineConfig) -> ModelConfig:
     return ModelConfig.from_dict(read_hf_config(resolved))
 
 
-def draft_footprint(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]:
+def draft_footprint(
+    config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> tuple[int, int]:
     """(weight bytes, KV bytes per page) of the draft model, before it is loaded: the
-    target's pool is sized to leave room for both."""
+    target's pool is sized to leave room for both. Weights are in ``dtype``, the draft's
+    pool in ``kv_dtype`` (the same --kv-cache-dtype as the target's)."""
     from minisgl.distributed import TPInfo
     from minisgl.models.registry import build_model
 
@@ -57,7 +60,7 @@ def draft_footprint(config: EngineConfig, dtype: torch.dtype) -> tuple[int, int]
     elem = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * elem
     page = KVPool.bytes_per_page(
-        cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, dtype
+        cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype
     )
     return weights, page
 
