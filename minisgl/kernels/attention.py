@@ -24,7 +24,8 @@ def _load_kv(
     k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
     offs_d, d_mask, dtype: tl.constexpr, MASK_N: tl.constexpr,
 ):  # fmt: skip
-    """Gather one tile of K and V through the page table (one slot index per token)."""
+    """Gather one tile of K and V through the page table (one slot index per token), as
+    ``dtype`` (q's: an fp8 pool, --kv-cache-dtype, is upcast here; its scale is 1.0)."""
     if MASK_N:
         slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
         mask = n_mask[:, None] & d_mask[None, :]

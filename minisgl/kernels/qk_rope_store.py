@@ -21,6 +21,7 @@ from minisgl.kernels import cdiv
 from minisgl.kernels.norm import row_tile
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 from minisgl.kernels.rope import load_cos_sin, rotate_halves
+from minisgl.kernels.store import cast_to_cache
 
 
 @triton.jit
@@ -56,8 +57,9 @@ def _norm_rope_heads(
     y1, y2 = rotate_halves(x1, x2, c1, c2, s1, s2, dtype)  # rope.py's rounding
     out_ty = dst_ptr.dtype.element_ty
     dst = dst_ptr + offs_h[:, None] * stride_dst_h + offs_d[None, :]
-    tl.store(dst, y1.to(out_ty), mask=half_mask)
-    tl.store(dst + HALF, y2.to(out_ty), mask=half_mask)
+    # store_kv's cast (an fp8 cache saturates and rounds as there); q_out's is a plain one.
+    tl.store(dst, cast_to_cache(y1, out_ty), mask=half_mask)
+    tl.store(dst + HALF, cast_to_cache(y2, out_ty), mask=half_mask)
 
 
 @triton.jit
@@ -69,7 +71,7 @@ def _copy_heads(
     mask = (offs_h < NUM_HEADS)[:, None] & col_mask[None, :]
     x = tl.load(src_ptr + offs_h[:, None] * stride_h + cols[None, :], mask=mask)
     dst = dst_ptr + offs_h[:, None] * stride_dst_h + cols[None, :]
-    tl.store(dst, x.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, cast_to_cache(x, dst_ptr.dtype.element_ty), mask=mask)
 
 
 # No token-count argument: the count is the grid's first axis, so no batch size compiles a

@@ -15,6 +15,39 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def _round_fp8(x, LIMIT: tl.constexpr, SHIFT: tl.constexpr, MIN_NORMAL: tl.constexpr,
+               BIG: tl.constexpr):  # fmt: skip
+    """``x`` saturated to [-LIMIT, LIMIT] and rounded to nearest even onto the grid of an
+    fp8 format whose mantissa is ``23 - SHIFT`` bits (as float32 values, so the cast that
+    follows is exact). Rounding here rather than in the cast makes the result one and the
+    same on the GPU and in Triton's interpreter (whose fp8 cast drops the rounding carry
+    and does not saturate), and equal to kv_dtype.to_kv_dtype."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -LIMIT), LIMIT)
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal range: round the float32 mantissa to the fp8 width on the bits (the carry
+    # runs into the exponent; the sign bit is untouched since |x| <= LIMIT).
+    keep = (bits >> SHIFT) & 1
+    normal = (bits + ((1 << (SHIFT - 1)) - 1) + keep) & -(1 << SHIFT)
+    # Below the smallest normal the fp8 grid is uniform: adding and subtracting BIG (whose
+    # float32 ulp is that grid step) rounds to it; the sign bit is put back after.
+    mag = tl.abs(x)
+    sub = ((mag + BIG) - BIG).to(tl.int32, bitcast=True) | (bits & -2147483648)
+    return tl.where(mag < MIN_NORMAL, sub, normal).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_to_cache(x, ty: tl.constexpr):
+    """``x`` as the KV cache's element type ``ty``: fp8 saturating, round to nearest even
+    (scale 1.0, see kvcache/kv_dtype.py); any other type a plain cast."""
+    if ty == tl.float8e4nv:  # e4m3fn: max 448, 3 mantissa bits, min normal 2^-6
+        return _round_fp8(x, 448.0, 20, 0.015625, 16384.0).to(ty)
+    elif ty == tl.float8e5:  # e5m2: max 57344, 2 mantissa bits, min normal 2^-14
+        return _round_fp8(x, 57344.0, 21, 6.103515625e-05, 128.0).to(ty)
+    else:
+        return x.to(ty)
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr,
     v_ptr,
@@ -36,9 +69,9 @@ def _store_kv_kernel(
     dst = slot * stride_cache_slot + offs
     k = tl.load(k_ptr + tok * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + offs, mask=mask)
-    # Cast in-kernel so a bf16 model can write an fp16/fp32 pool (and vice versa) in one pass.
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    # Cast in-kernel so a bf16 model can write an fp16/fp32/fp8 pool in one pass.
+    tl.store(k_cache_ptr + dst, cast_to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, cast_to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _flat_rows(x: torch.Tensor) -> torch.Tensor:

@@ -173,6 +173,34 @@ def check_cache_dtype_cast(device: torch.device) -> None:
     _assert_same(_case(device, BF16, 5, 4, 2, 64, True, cache_dtype=F32), "bf16 into fp32")
 
 
+def check_fp8_cache(device: torch.device) -> None:
+    """An fp8 pool (--kv-cache-dtype): the fused kernel writes the bytes store_kv writes
+    (compared as bytes: torch.equal has no fp8 kernel on the CPU), and V's bytes are the
+    torch pool's saturating cast (kvcache/kv_dtype.py); some values lie past e4m3's max."""
+    from minisgl.kvcache.kv_dtype import to_kv_dtype
+
+    def raw(x: torch.Tensor) -> torch.Tensor:
+        return x.view(torch.uint8)
+
+    for cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for dtype in (F32, BF16):
+            for norm in (True, False):
+                what = f"{dtype} into {cache_dtype} norm={norm}"
+                c = _case(device, dtype, 7, 4, 2, 64, norm, cache_dtype=cache_dtype)
+                c.qkv.mul_(100)  # q, k, v are views of it
+                q_ref, k_ref, v_ref = _unfused(c)
+                q_out, k_out, v_out = _fused(c)
+                assert torch.equal(q_out, q_ref), what
+                assert torch.equal(raw(k_out), raw(k_ref)), f"k cache differs: {what}"
+                assert torch.equal(raw(v_out), raw(v_ref)), f"v cache differs: {what}"
+                v_want = to_kv_dtype(c.v, cache_dtype)
+                assert torch.equal(raw(v_out[c.slots]), raw(v_want)), what
+                assert c.v.abs().max() > 448 and v_out.float().abs().max() <= 57344, what
+                untouched = torch.ones(c.k_cache.shape[0], dtype=torch.bool, device=device)
+                untouched[c.slots] = False
+                assert torch.equal(raw(k_out[untouched]), raw(c.k_cache[untouched])), what
+
+
 def check_int32_indices(device: torch.device) -> None:
     c = _case(device, BF16, 5, 4, 2, 64, True)
     c.positions, c.slots = c.positions.int(), c.slots.int()

@@ -101,13 +101,15 @@ def make_world(
     dtype: torch.dtype,
     seed: int,
     pt_dtype: torch.dtype = torch.int64,
+    kv_dtype: torch.dtype | None = None,
 ) -> World:
-    """A pool full of random K/V, and a batch whose rows own shuffled, non-contiguous pages."""
+    """A pool full of random K/V, and a batch whose rows own shuffled, non-contiguous pages.
+    The pool holds ``kv_dtype`` (default: ``dtype``; fp8 for --kv-cache-dtype)."""
     g = torch.Generator().manual_seed(seed)
     seq = [p + e for p, e in zip(prefix, ext, strict=True)]
     pages_per_row = [triton.cdiv(s, page_size) for s in seq]
     num_pages = sum(pages_per_row) + 3
-    pool = KVPool(LAYERS, num_pages, page_size, hk, d, dtype, DEVICE)
+    pool = KVPool(LAYERS, num_pages, page_size, hk, d, kv_dtype or dtype, DEVICE)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=g).to(dtype))
     width = max(seq) + 7
     # Unused entries hold valid-but-wrong slots: reading them unmasked would corrupt results.
@@ -137,10 +139,14 @@ def run_case(
     fused_qkv: bool = False,
     pt_dtype: torch.dtype = torch.int64,
     backend_kw: dict[str, int] | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> TritonBackend:
-    world = make_world(prefix, ext, hk, d, page_size, dtype, seed, pt_dtype)
-    ref_pool = KVPool(LAYERS, world.pool.num_pages, page_size, hk, d, torch.float32, DEVICE)
-    ref_pool.buffer.copy_(world.pool.buffer.float())
+    """``kv_dtype`` fp8: both backends store into and read from an fp8 pool (the reference
+    one the torch backend's saturating cast), so only the kernels' arithmetic differs."""
+    world = make_world(prefix, ext, hk, d, page_size, dtype, seed, pt_dtype, kv_dtype)
+    ref_dtype = kv_dtype or torch.float32
+    ref_pool = KVPool(LAYERS, world.pool.num_pages, page_size, hk, d, ref_dtype, DEVICE)
+    ref_pool.buffer.copy_(world.pool.buffer if kv_dtype else world.pool.buffer.float())
     g = torch.Generator().manual_seed(seed + 1)
     t = sum(ext)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE)
@@ -165,7 +171,10 @@ def run_case(
     assert out.shape == (t, hq * d) and out.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(world.pool.buffer.float(), ref_pool.buffer, atol=0, rtol=0)
+    if kv_dtype is not None:  # bit for bit: store_kv rounds as the torch cast does
+        assert torch.equal(world.pool.buffer.view(torch.uint8), ref_pool.buffer.view(torch.uint8))
+    else:
+        torch.testing.assert_close(world.pool.buffer.float(), ref_pool.buffer, atol=0, rtol=0)
     return backend
 
 
@@ -425,3 +434,63 @@ def test_graph_sizes_are_the_padded_batch_sizes() -> None:
         sizes = graph_batch_sizes(max_bs)
         for n in range(1, max_bs + 1):
             assert next(s for s in sizes if s >= n) == padded_batch_size(n)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize(
+    ("prefix", "ext", "hq", "hk", "d", "ps", "kw"),
+    [
+        ([0, 5, 20], [7, 1, 33], 4, 2, 64, 16, SMALL_TILES),  # mixed: a decode row, GQA
+        ([40, 0], [24, 17], 8, 1, 128, 1, SMALL_TILES),  # MQA, prefix + extend, page 1
+        ([37, 100, 3, 64], [1, 1, 1, 1], 4, 2, 64, 16, SMALL_SPLITS),  # split decode
+        ([150, 20], [1, 1], 8, 2, 128, 1, SMALL_SPLITS),  # split decode, page 1
+        ([0, 37, 100, 3], [20, 1, 1, 1], 4, 2, 64, 16, {**SMALL_TILES, **SMALL_SPLITS}),
+    ],
+)
+@interpreted
+def test_fp8_pool_matches_reference(prefix, ext, hq, hk, d, ps, kw, kv_dtype) -> None:
+    backend = run_case(prefix, ext, hq, hk, d, ps, backend_kw=kw, kv_dtype=kv_dtype)
+    if all(e == 1 for e in ext) or kw.get("max_kv_splits"):
+        world = make_world(prefix, ext, hk, 32, 1, torch.float32, 0)
+        assert max(backend.prepare(world.layout, DEVICE).num_splits.tolist()) > 1
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@interpreted
+def test_fp8_pool_bf16_queries(kv_dtype: torch.dtype) -> None:
+    # bf16 compute over an fp8 pool: the kernels upcast the loaded fp8 tiles to q's dtype.
+    run_case([10, 0, 4], [30, 17, 1], 4, 2, 64, 16, dtype=torch.bfloat16,
+             backend_kw=SMALL_TILES, kv_dtype=kv_dtype)  # fmt: skip
+    run_case([37, 100, 3], [1, 1, 1], 4, 2, 64, 16, dtype=torch.bfloat16,
+             backend_kw=SMALL_SPLITS, kv_dtype=kv_dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@interpreted
+def test_store_kv_fp8_rounds_and_saturates_as_torch(kv_dtype: torch.dtype, src) -> None:
+    """store_kv into an fp8 cache equals the pool's torch cast (kv_dtype.to_kv_dtype) bit for
+    bit: on every fp8 value, every midpoint between neighbours (ties to even) and just
+    below it, values of all magnitudes (subnormals included), past the max, and -0."""
+    from minisgl.kvcache.kv_dtype import to_kv_dtype
+
+    grid = torch.arange(256, dtype=torch.uint8).view(kv_dtype).float()
+    grid = grid[grid.isfinite()].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    g = torch.Generator().manual_seed(0)
+    scales = torch.exp2(torch.randint(-22, 18, (2000,), generator=g).float())
+    rnd = torch.randn(2000, generator=g) * scales
+    edge = torch.tensor([448.0, 449.0, 464.0, 480.0, 1e5, 57344.0, 6e4, 1e30, -1e30, -0.0])
+    x = torch.cat([grid, mids, mids.nextafter(torch.zeros(())), rnd, edge])
+    row = 2 * 32
+    x = torch.cat([x, torch.zeros(-x.numel() % row)]).view(-1, 2, 32).to(src).to(DEVICE)
+    n = x.shape[0]
+    cache = torch.zeros(2, n + 3, 2, 32, dtype=kv_dtype, device=DEVICE)
+    slots = torch.randperm(n + 3, generator=g)[:n].to(DEVICE)
+    store_kv(cache[0], cache[1], x, -x, slots)
+    for got, want in ((cache[0, slots], to_kv_dtype(x, kv_dtype)),
+                      (cache[1, slots], to_kv_dtype(-x, kv_dtype))):  # fmt: skip
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
