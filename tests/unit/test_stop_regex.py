@@ -1,11 +1,15 @@
-"""stop_regex: the matcher and its streaming hold-back (no model)."""
+"""stop_regex: the matcher and its streaming hold-back (no model), and the parameter's
+validation."""
 
 from __future__ import annotations
 
+import pytest
 import regex
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from minisgl import SamplingParams
+from minisgl.server.protocol import CompletionRequest, GenerateRequest, param_of
 from minisgl.tokenizer.stop_regex import StopRegexFilter
 
 
@@ -170,3 +174,31 @@ def test_any_split_gives_the_whole_text_result(text: str, pats: list[str], cuts:
 def test_no_patterns_release_everything() -> None:
     f = StopRegexFilter([])
     assert f.feed("a b") == "a b" and f.feed(" c", check=True) == " c" and f.matched is None
+
+
+# ---------------------------------------------------------------- validation
+def test_patterns_given_as_a_string_or_a_list() -> None:
+    assert SamplingParams(stop_regex=r"\d").stop_regex == [r"\d"]
+    assert SamplingParams(stop_regex=[r"\d", "x+"]).stop_regex == [r"\d", "x+"]
+    assert SamplingParams().stop_regex == []
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [("(", "valid regular expressions"), (["ok", "[a-"], "valid regular expressions"),
+     ("", "non-empty strings"), ([3], "non-empty strings"), (r"\d*", "empty text")],
+)  # fmt: skip
+def test_invalid_stop_regex_is_a_value_error_naming_the_field(value: object, words: str) -> None:
+    with pytest.raises(ValueError, match=words) as info:
+        SamplingParams(stop_regex=value)  # type: ignore[arg-type]
+    assert param_of(str(info.value)) == "stop_regex"
+
+
+def test_http_requests_carry_stop_regex_and_refuse_a_bad_one() -> None:
+    body = CompletionRequest(prompt="hi", stop_regex=[r"\d+"])
+    assert body.sampling_fields()["stop_regex"] == [r"\d+"]
+    native = GenerateRequest(text="hi", sampling_params={"stop_regex": r"\n\n"})
+    assert native.sampling_fields()["stop_regex"] == [r"\n\n"]
+    with pytest.raises(ValueError) as info:
+        CompletionRequest(prompt="hi", stop_regex="(").sampling_fields()
+    assert param_of(str(info.value)) == "stop_regex"
