@@ -1,16 +1,22 @@
-"""stop_regex: the matcher and its streaming hold-back (no model), and the parameter's
-validation."""
+"""stop_regex: the matcher and its streaming hold-back (no model), the parameter's validation,
+and the offline API end to end on a tiny model with a word-level tokenizer."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import regex
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from minisgl import SamplingParams
+from minisgl import LLM, SamplingParams
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.stop import TokenizerDecoder
 from minisgl.server.protocol import CompletionRequest, GenerateRequest, param_of
 from minisgl.tokenizer.stop_regex import StopRegexFilter
+from tests.conftest import assert_engine_clean
 
 
 def reference(text: str, patterns: list[str]) -> tuple[str, str | None]:
@@ -202,3 +208,123 @@ def test_http_requests_carry_stop_regex_and_refuse_a_bad_one() -> None:
     with pytest.raises(ValueError) as info:
         CompletionRequest(prompt="hi", stop_regex="(").sampling_fields()
     assert param_of(str(info.value)) == "stop_regex"
+
+
+# ---------------------------------------------------------------- offline, end to end
+FULL = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models: dict[str, Path]) -> LLM:
+    return LLM(str(tiny_models["qwen3"]))
+
+
+def _first_stop(llm: LLM, ids: list[int], pattern: str) -> tuple[list[int], str]:
+    """Independently of the matcher: the shortest output whose text holds a match (stdlib re,
+    token by token), and that text cut at the match."""
+    for k in range(1, len(ids) + 1):
+        text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
+        m = re.search(pattern, text)
+        if m is not None:
+            return ids[:k], text[: m.start()]
+    raise AssertionError(f"{pattern!r} never matches")
+
+
+def _later_word_pattern(full: dict[str, object]) -> str:
+    words = str(full["text"]).split(" ")
+    # Two words after the first few, as whole words: the match spans two tokens.
+    return rf"(?<!\S){words[6]} {words[7]}(?!\S)"
+
+
+def test_generation_stops_at_the_match_and_cuts_the_text(llm: LLM) -> None:
+    full = llm.generate([[5, 6, 7]], FULL)[0]
+    pattern = _later_word_pattern(full)
+    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    assert len(ids) < len(full["token_ids"])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern)
+    r = llm.generate([[5, 6, 7]], params)[0]
+    assert r["token_ids"] == ids  # not one token past the match
+    assert r["text"] == text and str(full["text"]).startswith(text)
+    assert r["finish_reason"] == "stop" and r["matched_stop"] == pattern
+    assert_engine_clean(llm)
+
+
+def test_the_first_completed_pattern_wins_and_strings_still_work(llm: LLM) -> None:
+    full = llm.generate([[5, 6, 7]], FULL)[0]
+    words = str(full["text"]).split(" ")
+    late, early = _later_word_pattern(full), rf"(?<!\S){words[3]}(?!\S)"
+    ids, text = _first_stop(llm, full["token_ids"], early)
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop_regex=["zzz", late, early]
+    )
+    r = llm.generate([[5, 6, 7]], params)[0]
+    assert (r["token_ids"], r["text"], r["matched_stop"]) == (ids, text, early)
+    # A stop string that completes first still wins, and is reported as itself.
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=words[2], stop_regex=late
+    )
+    r = llm.generate([[5, 6, 7]], params)[0]
+    text = str(full["text"])
+    assert r["matched_stop"] == words[2] and r["text"] == text[: text.find(words[2])]
+
+
+def test_min_tokens_defers_the_regex(llm: LLM) -> None:
+    full = llm.generate([[5, 6, 7]], FULL)[0]["token_ids"]
+    p = SamplingParams(temperature=0, max_tokens=24, min_tokens=3, stop_regex=r"t\d+")
+    r = llm.generate([[5, 6, 7]], p)[0]
+    # Every word matches; the first two tokens are not examined, the third one stops.
+    assert r["token_ids"] == full[:3]
+    assert r["text"] == llm.tokenizer.decode(full[:2]) + " "
+
+
+def test_n_choices_each_stop(llm: LLM) -> None:
+    full = llm.generate([[5, 6, 7]], FULL)[0]
+    pattern = _later_word_pattern(full)
+    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern, n=3)
+    out = llm.generate([[5, 6, 7], [5, 6, 7]], p)
+    assert len(out) == 6
+    assert all(r["token_ids"] == ids and r["text"] == text for r in out)
+
+
+def test_overlap_scheduling_ends_exactly_at_the_match(tiny_models: dict[str, Path]) -> None:
+    """With overlap the next step is launched before this one's token is read: the request
+    must still end at the matching token, its in-flight token dropped."""
+    llm = LLM(str(tiny_models["qwen3"]))
+    full = llm.generate([[5, 6, 7]], FULL)[0]
+    llm.scheduler = Scheduler(llm.engine, decode=TokenizerDecoder(llm.tokenizer), overlap=True)
+    pattern = _later_word_pattern(full)
+    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern)
+    out = llm.generate([[5, 6, 7], [9, 10]], [p, FULL])
+    assert out[0]["token_ids"] == ids and out[0]["text"] == text
+    assert out[1]["finish_reason"] == "length"
+    assert_engine_clean(llm)
+
+
+def test_speculative_decoding_stops_inside_accepted_drafts(
+    tiny_models: dict[str, Path], llm: LLM
+) -> None:
+    """Several tokens land per verify step; the request ends at the matching one."""
+    full = llm.generate([[5, 6, 7]], FULL)[0]
+    words = str(full["text"]).split(" ")
+    # The second time a word pair comes round: by then the n-gram drafter proposes from the
+    # first time, and drafts are accepted.
+    pairs = list(zip(words, words[1:]))
+    a, b = next(p for i, p in enumerate(pairs) if p in pairs[:i])
+    pattern = rf"(?<!\S){a} {b}(?!\S).*(?<!\S){a} {b}(?!\S)"
+    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    spec = LLM(str(tiny_models["qwen3"]), speculative_algorithm="ngram", speculative_num_steps=3)
+    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern)
+    r = spec.generate([[5, 6, 7]], p)[0]
+    assert (r["token_ids"], r["text"], r["matched_stop"]) == (ids, text, pattern)
+    assert r["spec_accepted_tokens"] > 0
+
+
+def test_bad_regex_queues_nothing(llm: LLM) -> None:
+    p = SamplingParams(temperature=0, max_tokens=4)
+    p.stop_regex = ["ok", "(unclosed"]  # edited after construction: generate re-validates
+    with pytest.raises(ValueError, match="stop_regex"):
+        llm.generate([[5, 6, 7], [8, 9]], [FULL, p])
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert_engine_clean(llm)
