@@ -22,7 +22,7 @@ from minisgl.engine.engine import Engine, pick_device
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.stop import TokenizerDecoder
+from minisgl.scheduler.stop import TokenizerDecoder, regex_cut
 from minisgl.speculative.report import spec_report
 from minisgl.tokenizer import load_tokenizer, render_chat, trim_stop
 
@@ -246,7 +246,10 @@ class LLM:
             if self.tokenizer is not None
             else ""
         )
-        if isinstance(req.matched_stop, str):
+        cut = regex_cut(req)
+        if cut is not None:
+            text = text[:cut]  # the scheduler's matcher saw this same text (same decoding)
+        elif isinstance(req.matched_stop, str):
             text = trim_stop(text, req.matched_stop)
         out: dict[str, Any] = {
             "text": text,

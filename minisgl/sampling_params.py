@@ -37,6 +37,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     # Normalised by __post_init__ to a list (None -> []).
     stop_token_ids: list[int] | None = None
+    # Regular expressions (SGLang's stop_regex; normalised like `stop`): generation stops at
+    # the first match in the generated text, which is cut where the match starts.
+    stop_regex: str | list[str] | None = None
     seed: int | None = None
     logprobs: bool = False  # return the chosen token's logprob
     top_logprobs: int = 0  # how many alternatives to return per position
@@ -60,6 +63,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.stop_regex = list(self.stop_regexes)
         self.validate()
 
     @property
@@ -72,6 +76,15 @@ class SamplingParams:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def stop_regexes(self) -> tuple[str, ...]:
+        """`stop_regex` as a tuple, typed without the pre-normalisation `str` case."""
+        value = self.stop_regex
+        if value is None:
+            return ()
+        # Anything but a list is one pattern (validate() then names a non-string).
+        return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -134,9 +147,18 @@ class SamplingParams:
         for t in self.stop_token_ids or ():
             if not isinstance(t, int) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "non-negative integers")
+        self._validate_stop_regex()
         if self.seed is not None and not isinstance(self.seed, int):
             raise _bad("seed", self.seed, "an integer or None")
         self._validate_grammar()
+
+    def _validate_stop_regex(self) -> None:
+        from minisgl.tokenizer.stop_regex import compile_stop_regex
+
+        for pattern in self.stop_regexes:
+            if not isinstance(pattern, str) or not pattern:
+                raise _bad("stop_regex", self.stop_regex, "non-empty strings")
+            compile_stop_regex(pattern)  # compiled once per pattern (cached)
 
     def _validate_grammar(self) -> None:
         given = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]

@@ -1,5 +1,5 @@
-"""Finish conditions: EOS, stop token ids, stop strings, max_tokens, context length; and the
-`decode` that the server's scheduler processes check stop strings with."""
+"""Finish conditions: EOS, stop token ids, stop strings, stop regexes, max_tokens, context
+length; and the `decode` that the server's scheduler processes check stop strings with."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from minisgl.scheduler.request import Req
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+from minisgl.tokenizer.stop_regex import StopRegexFilter
 
 if TYPE_CHECKING:
     from minisgl.config import EngineConfig
@@ -23,7 +25,8 @@ class StopChecker:
         p = req.params
         tok = req.output_ids[-1]
         n_out = len(req.output_ids)
-        if n_out >= p.min_tokens:
+        checked = n_out >= p.min_tokens
+        if checked:
             if not p.ignore_eos and tok in self.eos_ids:
                 req.matched_stop = tok
                 return "stop"
@@ -39,10 +42,62 @@ class StopChecker:
                     if s in tail:
                         req.matched_stop = s
                         return "stop"
+        # Fed before min_tokens too (unchecked): a match may only begin in text that follows.
+        if p.stop_regex and self.decode is not None and self._regex_matched(req, checked):
+            return "stop"
         # Known tokens only: with overlap a token may be in flight, and it is still to come.
         if n_out >= p.max_tokens or req.num_known >= context_length:
             return "length"
         return None
+
+    def _regex_matched(self, req: Req, checked: bool) -> bool:
+        """Decode the request's new tokens and search them; True if a stop regex matched."""
+        assert self.decode is not None
+        state = req.stop_regex
+        if state is None:
+            state = req.stop_regex = _RegexState(self.decode, req)
+        assert isinstance(state, _RegexState)
+        matcher = state.feed(req.output_ids, checked)
+        if matcher.matched is None:
+            return False
+        req.matched_stop = matcher.matched
+        return True
+
+
+class _RegexState:
+    """A request's output text, decoded incrementally as the worker decodes it (the same
+    detokenizer, with the request's skip_special_tokens), and its stop_regex matcher."""
+
+    def __init__(self, decode: Callable[[list[int]], str], req: Req) -> None:
+        # A bare callable (no tokenizer behind it) stands in for one: its decoding is the text.
+        tokenizer = tokenizer_of(decode) or _DecodeOnly(decode)
+        self.detok = IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens)
+        self.matcher = StopRegexFilter(req.params.stop_regexes)
+        self.fed = 0  # output tokens decoded so far
+
+    def feed(self, output_ids: list[int], checked: bool) -> StopRegexFilter:
+        self.matcher.feed(self.detok.add(output_ids[self.fed :]), check=checked)
+        self.fed = len(output_ids)
+        return self.matcher
+
+
+def regex_cut(req: Req) -> int | None:
+    """Where the request's output text is cut if a stop regex ended it, else None. The text
+    is that of ``decode(output_ids, skip_special_tokens)``, of which the matcher saw a prefix."""
+    state = req.stop_regex
+    if isinstance(state, _RegexState) and state.matcher.matched is not None:
+        return state.matcher.cut
+    return None
+
+
+class _DecodeOnly:
+    """A ``decode`` callable in the shape of a tokenizer (it decides about special tokens)."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self._decode = decode
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._decode(list(ids))
 
 
 class TokenizerDecoder:

@@ -79,6 +79,7 @@ class _OpenAISampling(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang: stop at a regular expression's match
     skip_special_tokens: bool = True
     # Structured output: OpenAI's response_format, or SGLang's fields (at most one).
     response_format: dict[str, Any] | None = None
@@ -118,6 +119,7 @@ class _OpenAISampling(BaseModel):
             "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
+            "stop_regex": self.stop_regex,
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
@@ -259,6 +261,7 @@ class GenerateSamplingParams(BaseModel):
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = 1
@@ -310,6 +313,7 @@ class GenerateRequest(BaseModel):
             "repetition_penalty": sp.repetition_penalty,
             "stop": sp.stop,
             "stop_token_ids": sp.stop_token_ids,
+            "stop_regex": sp.stop_regex,
             "ignore_eos": sp.ignore_eos,
             "skip_special_tokens": sp.skip_special_tokens,
             "n": sp.n,

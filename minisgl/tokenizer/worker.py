@@ -42,6 +42,7 @@ from minisgl.ipc.messages import (
 )
 from minisgl.tokenizer import render_chat
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopStringFilter
+from minisgl.tokenizer.stop_regex import StopRegexFilter
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class _Stream:
 
     detok: IncrementalDetokenizer
     stops: StopStringFilter
+    regexes: StopRegexFilter | None  # None without stop_regex
     min_tokens: int
     prompt_text: str | None = None
     prompt_token_strs: list[str] | None = None
@@ -169,6 +171,7 @@ class Worker:
             stream = _Stream(
                 detok=IncrementalDetokenizer(self.tokenizer, p.get("skip_special_tokens", True)),
                 stops=StopStringFilter(p.get("stop") or []),
+                regexes=StopRegexFilter(p["stop_regex"]) if p.get("stop_regex") else None,
                 min_tokens=int(p.get("min_tokens") or 0),
             )
             if item.return_prompt_text:
@@ -213,7 +216,8 @@ class Worker:
         raw = stream.detok.add(text_ids)
         if finished:
             raw += stream.detok.flush()
-        text = stream.stops.feed(raw, check=out.completion_tokens >= stream.min_tokens)
+        check = out.completion_tokens >= stream.min_tokens
+        text = stream.stops.feed(raw, check=check)
         reason, matched = out.finish_reason, out.matched_stop
         if stream.stops.matched is not None:
             if not finished:
@@ -223,6 +227,16 @@ class Worker:
             reason, matched, finished = "stop", stream.stops.matched, True
         elif finished:
             text += stream.stops.flush()
+        if stream.regexes is not None:
+            # Over the text the stop strings let through: the scheduler's matcher, which
+            # decides where generation ends, sees the same text and finds the same match.
+            text = stream.regexes.feed(text, check=check)
+            if stream.regexes.matched is not None:
+                if not finished:  # a safety net only: the scheduler should have ended it
+                    sockets.send(self.to_scheduler, AbortRequests([out.rid]))
+                reason, matched, finished = "stop", stream.regexes.matched, True
+            elif finished:
+                text += stream.regexes.flush()
         for lp in (out.logprobs or []) + (out.prompt_logprobs or []):
             lp.token = self.token_text(lp.token_id)
             for alt in lp.top:

@@ -99,6 +99,17 @@ def _stopped(server: ServerHandle, word: str) -> tuple[str, str]:
     return c.choices[0].text, c.choices[0].finish_reason
 
 
+def _stopped_by_regex(server: ServerHandle, word: str) -> tuple[str, str, Any]:
+    """A stop regex: every rank decodes the whole output incrementally to search it, and all
+    must end the request at the same token."""
+    c = _client(server).completions.create(
+        model="tiny", prompt=STOP_PROMPT, max_tokens=12, temperature=0,
+        extra_body={"stop_regex": rf"(?<!\S){word}(?!\S)"},
+    )  # fmt: skip
+    choice = c.choices[0]
+    return choice.text, choice.finish_reason, choice.model_extra["matched_stop"]
+
+
 def _stop_word(text: str) -> str:
     """The 4th word of an answer to STOP_PROMPT: a stop string that ends it early."""
     return text.split()[3]
@@ -128,7 +139,8 @@ def _workload(server: ServerHandle, stop_word: str) -> list[Any]:
         return [ch.text for ch in c.choices]
 
     jobs: list[Callable[[], Any]] = [partial(_complete, server, i) for i in range(len(PROMPTS))]
-    jobs += [chat, stream, sampled, partial(_stopped, server, stop_word)]
+    jobs += [chat, stream, sampled, partial(_stopped_by_regex, server, stop_word)]
+    jobs += [partial(_stopped, server, stop_word)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda job: job(), jobs))
 
@@ -173,7 +185,7 @@ def test_tp2_server_matches_tp1(pair: list[ServerHandle]) -> None:
     )
     word = _stop_word(answer.choices[0].text)
     expected = _workload(single, word)
-    assert expected[-1][1] == "stop", expected
+    assert expected[-1][1] == "stop" and expected[-2][1] == "stop", expected
     assert _workload(tp2, word) == expected
     assert _workload(tp2, word) == expected  # again, now mostly from the radix cache
 
