@@ -26,11 +26,17 @@ class SelfAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_heads // tp.size
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.attention_bias,
+            tp,
+            cfg.quant,
         )
         self.num_kv_heads = self.qkv_proj.local_kv_heads
         self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_bias, tp, cfg.quant
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None

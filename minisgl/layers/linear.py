@@ -14,10 +14,24 @@ from torch import nn
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import linear
+from minisgl.layers.quantized import QuantConfig, add_int4_params, finish_int4, int4_forward
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
     p.weight_loader = fn  # type: ignore[attr-defined]
+
+
+class _Int4Mixin:
+    """4-bit GPTQ/AWQ weights (layers/quantized.py): load-time parameters in place of
+    ``weight``; after loading, a float ``weight`` (CPU) or the int4 kernel's buffers (CUDA,
+    ``int4_group`` > 0, which routes forward to kernels/int4_gemm.py)."""
+
+    int4_group: int = 0
+    quantized: bool = False
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        if self.quantized:
+            finish_int4(self, dtype)
 
 
 class ReplicatedLinear(nn.Module):
@@ -33,7 +47,7 @@ class ReplicatedLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.cpu_packed, self.gemv_tiles)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Int4Mixin, nn.Module):
     """Output features split across ranks; shards of several logical outputs may be merged.
 
     ``output_sizes`` lists the logical (full) outputs packed in this layer, e.g. [gate, up];
@@ -43,15 +57,28 @@ class ColumnParallelLinear(nn.Module):
     cpu_packed: torch.Tensor | None = None
     gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPInfo) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        bias: bool,
+        tp: TPInfo,
+        quant: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         assert all(s % tp.size == 0 for s in output_sizes), (output_sizes, tp.size)
         self.tp = tp
         self.local_sizes = [s // tp.size for s in output_sizes]
         out = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        if quant is not None:
+            # Every load-time tensor is N-major (layers/quantized.py): load_shard's narrowing
+            # of dim 0 shards and merges them as it does a float weight.
+            self.quantized = True
+            add_int4_params(self, out, in_features, in_features, quant, self.load_shard)
+        else:
+            self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+            _set_loader(self.weight, self.load_shard)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
-        _set_loader(self.weight, self.load_shard)
         if self.bias is not None:
             _set_loader(self.bias, self.load_shard)
 
@@ -62,6 +89,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4_group:
+            return int4_forward(self, x, self.bias)
         return linear(x, self.weight, self.bias, self.cpu_packed, self.gemv_tiles)
 
 
@@ -69,7 +98,14 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Merged q/k/v projection; KV heads are replicated when tp exceeds their number."""
 
     def __init__(
-        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPInfo
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        tp: TPInfo,
+        quant: QuantConfig | None = None,
     ) -> None:
         assert num_heads % tp.size == 0, "attention heads must divide by the TP size"
         if num_kv_heads >= tp.size:
@@ -82,7 +118,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         q = num_heads * head_dim
         kv_local = self.local_kv_heads * head_dim
-        super().__init__(hidden, [q, kv_local * tp.size, kv_local * tp.size], bias, tp)
+        super().__init__(hidden, [q, kv_local * tp.size, kv_local * tp.size], bias, tp, quant)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
         if shard_id == 0 or self.num_kv_heads >= self.tp.size:
@@ -95,28 +131,48 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, self.head_dim).copy_(part)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Int4Mixin, nn.Module):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
 
     cpu_packed: torch.Tensor | None = None
     gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPInfo) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPInfo,
+        quant: QuantConfig | None = None,
+    ) -> None:
         super().__init__()
         assert in_features % tp.size == 0
         self.tp = tp
         self.local_in = in_features // tp.size
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        if quant is not None:
+            self.quantized = True
+            add_int4_params(self, out_features, self.local_in, in_features, quant, self.load_shard)
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(out_features, self.local_in), requires_grad=False
+            )
+            _set_loader(self.weight, self.load_shard)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        _set_loader(self.weight, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
-        param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
+        # This rank's columns of dim 1 (inputs, or whole groups of them for int4 scales and
+        # zeros); a tensor as wide as the parameter (one group spanning all inputs) is shared.
+        width = param.shape[1]
+        part = loaded if loaded.shape[1] == width else loaded.narrow(1, self.tp.rank * width, width)
+        param.data.copy_(part)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce (fused with
         the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
-        y = linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles)
+        if self.int4_group:
+            y = int4_forward(self, x, None)
+        else:
+            y = linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles)
         if reduce or self.tp.size == 1:
             y = all_reduce(y, self.tp)
         elif self.tp.rank != 0:

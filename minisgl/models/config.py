@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minisgl.layers.quantized import QuantConfig, parse_quant_config
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -58,6 +60,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # 4-bit GPTQ/AWQ linear layers (layers/quantized.py); None: float checkpoint.
+    quant: QuantConfig | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -89,6 +93,13 @@ class ModelConfig:
         is_qwen3 = arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         attn_bias = bool(text.get("attention_bias", False))
         max_pos = int(text.get("max_position_embeddings", 2048))
+        quant = parse_quant_config(d.get("quantization_config") or text.get("quantization_config"))
+        num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+        if quant is not None and num_experts:
+            raise ValueError(
+                f"quantization_config.quant_method={quant.method!r} is not supported for "
+                "mixture-of-experts models"
+            )
         return cls(
             architecture=arch,
             model_type=str(text.get("model_type", "")),
@@ -114,12 +125,13 @@ class ModelConfig:
             bos_token_id=text.get("bos_token_id"),
             torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or "float32"),
             # transformers 5 saves the expert count as "num_local_experts" only.
-            num_experts=int(text.get("num_experts") or text.get("num_local_experts") or 0),
+            num_experts=num_experts,
             num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0),
             moe_intermediate_size=int(text.get("moe_intermediate_size", 0) or 0),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             decoder_sparse_step=int(text.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
+            quant=quant,
         )
 
     @classmethod

@@ -30,9 +30,11 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate: int, tp: TPInfo) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, [intermediate, intermediate], cfg.mlp_bias, tp
+            cfg.hidden_size, [intermediate, intermediate], cfg.mlp_bias, tp, cfg.quant
         )
-        self.down_proj = RowParallelLinear(intermediate, cfg.hidden_size, cfg.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(
+            intermediate, cfg.hidden_size, cfg.mlp_bias, tp, cfg.quant
+        )
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:

@@ -66,7 +66,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             continue
         param = params[target]
         loader = getattr(param, "weight_loader", None)
-        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        # Packed int4 tensors (layers/quantized.py) keep their dtype: their loader unpacks.
+        raw = getattr(param, "raw_checkpoint", False)
+        tensor = tensor.to(device=param.device, dtype=None if raw else param.dtype)
         if loader is not None:
             loader(param, tensor, shard)
         else:
@@ -77,13 +79,37 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             param.data.copy_(tensor)
         loaded.add(f"{target}#{shard}")
         del tensor
-    missing = [n for n in params if not any(k.startswith(n + "#") for k in loaded)]
+    missing = [
+        n
+        for n, p in params.items()
+        if not getattr(p, "optional", False) and not any(k.startswith(n + "#") for k in loaded)
+    ]
     if tied:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ValueError(
             f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}"
         )
+    finish_loading(model)
+
+
+def finish_loading(model: nn.Module) -> None:
+    """Layers that convert their weights once loaded (int4: dequantize on CPU, repack for
+    the kernel on CUDA) do so, in the dtype of the model's float weights."""
+    floats = [
+        p.dtype
+        for p in model.parameters()
+        if p.is_floating_point() and not getattr(p, "raw_checkpoint", False)
+    ]
+    dtype = floats[0] if floats else torch.get_default_dtype()
+    hooked = False
+    for module in model.modules():
+        fn = getattr(module, "finish_loading", None)
+        if fn is not None and getattr(module, "quantized", False):
+            fn(dtype)
+            hooked = True
+    if hooked and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the unpacked load-time tensors, before the KV pool sizing
 
 
 def _map_name(name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, int]:
