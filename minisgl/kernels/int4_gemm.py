@@ -25,7 +25,7 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 @triton.jit(do_not_specialize=["rows"])
 def _int4_gemm_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -55,6 +55,9 @@ def _int4_gemm_kernel(
         scale = tl.load(s_ptr + grp, mask=kn_mask, other=0.0)
         zero = tl.load(z_ptr + grp, mask=kn_mask, other=0).to(tl.int32)
         w = ((codes - zero).to(tl.float32) * scale).to(dtype)
+        if UPCAST:  # same values, float32 operands (see int4_gemm)
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
         if IEEE:  # float32 inputs: no TF32 rounding (the CPU-equal reference path)
             acc += tl.dot(x, w, input_precision="ieee")
         else:
@@ -63,6 +66,9 @@ def _int4_gemm_kernel(
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, acc.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+_INTERPRETED = type(_int4_gemm_kernel).__name__ == "InterpretedFunction"
 
 
 def int4_tiles(rows: int) -> tuple[int, int, int, int]:
@@ -95,11 +101,14 @@ def int4_gemm(
     if rows == 0:
         return out
     block_m, block_n, block_k, warps = tiles or int4_tiles(rows)
+    # Triton's interpreter multiplies the raw bits of bf16 tl.dot operands: upcast there.
+    upcast = _INTERPRETED and x.dtype != torch.float32
     grid = (cdiv(rows, block_m), cdiv(n_cols, block_n))
     _int4_gemm_kernel[grid](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         rows, n_cols, k_dim, x.stride(0), out.stride(0),
-        GROUP=group, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        GROUP=group, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32 or upcast,
+        UPCAST=upcast,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
         **pdl_args(),
     )  # fmt: skip
