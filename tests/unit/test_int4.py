@@ -1,0 +1,181 @@
+"""4-bit GPTQ/AWQ checkpoints (layers/quantized.py) on CPU: unpacking equals a per-element
+reading of the published formats; our engine on a quantized checkpoint gives Hugging Face's
+greedy tokens on the dequantized float twin (tests/int4_checkpoints.py writes both), at
+TP=1 and TP=2; unsupported settings fail at load with the field named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from minisgl.layers import quantized as q
+from tests.conftest import assert_engine_clean
+from tests.helpers import hf_greedy, make_tiny_model
+from tests.int4_checkpoints import AWQ_PACK_ORDER, write_quantized
+
+PROMPTS = [[5, 6, 7], list(range(40, 73)), [3] * 21]
+N_NEW = 16
+
+
+def _words(rows: int, cols: int, seed: int) -> torch.Tensor:
+    # Full 32-bit range, so the top nibble's sign bit is exercised.
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**31), 2**31 - 1, (rows, cols), generator=g, dtype=torch.int64).to(
+        torch.int32
+    )
+
+
+def _nibble(word: int, i: int) -> int:
+    return ((word & 0xFFFFFFFF) >> (4 * i)) & 0xF
+
+
+def test_unpack_gptq_matches_per_element_reading() -> None:
+    k, n = 24, 5
+    qweight = _words(k // 8, n, 0)
+    codes = q.unpack_qweight(qweight, "gptq")  # [N, K]
+    assert codes.shape == (n, k) and codes.dtype == torch.uint8
+    for nn_ in range(n):
+        for kk in range(k):
+            assert codes[nn_, kk] == _nibble(int(qweight[kk // 8, nn_]), kk % 8)
+    qzeros = _words(3, 2, 1)  # 3 groups, N = 16
+    zeros = q.unpack_qzeros(qzeros, q.QuantConfig("gptq", 8, zero_offset=1))  # [N, groups]
+    for nn_ in range(16):
+        for gg in range(3):
+            assert zeros[nn_, gg] == _nibble(int(qzeros[gg, nn_ // 8]), nn_ % 8) + 1
+
+
+def test_unpack_awq_matches_per_element_reading() -> None:
+    k, n = 6, 24
+    qweight = _words(k, n // 8, 2)
+    codes = q.unpack_qweight(qweight, "awq")
+    assert codes.shape == (n, k)
+    for nn_ in range(n):
+        nib = AWQ_PACK_ORDER.index(nn_ % 8)  # the interleave: column 8c + order[i] at nibble i
+        for kk in range(k):
+            assert codes[nn_, kk] == _nibble(int(qweight[kk, nn_ // 8]), nib)
+    qzeros = _words(2, 2, 3)
+    zeros = q.unpack_qzeros(qzeros, q.QuantConfig("awq", 8))
+    for nn_ in range(16):
+        for gg in range(2):
+            want = _nibble(int(qzeros[gg, nn_ // 8]), AWQ_PACK_ORDER.index(nn_ % 8))
+            assert zeros[nn_, gg] == want
+
+
+def test_canonical_pack_matches_per_element_reading() -> None:
+    codes = torch.randint(0, 16, (7, 32), generator=torch.Generator().manual_seed(4))
+    packed = q.pack_canonical(codes.to(torch.uint8))
+    assert packed.shape == (4, 7) and packed.dtype == torch.int32
+    for nn_ in range(7):
+        for kk in range(32):
+            assert _nibble(int(packed[kk // 8, nn_]), kk % 8) == codes[nn_, kk]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """name -> (quantized checkpoint, dequantized float twin)."""
+    root = tmp_path_factory.mktemp("int4")
+    llama = make_tiny_model(root / "llama", "llama", seed=3)
+    qwen2 = make_tiny_model(root / "qwen2", "qwen2", seed=4)  # qkv bias stays float
+    qwen3 = make_tiny_model(root / "qwen3", "qwen3", seed=5)
+    out = {}
+    for name, src, method, group in (
+        ("llama_gptq_g32", llama, "gptq", 32),
+        ("llama_awq_g64", llama, "awq", 64),
+        ("qwen2_awq_g32", qwen2, "awq", 32),
+        ("qwen3_gptq_gall", qwen3, "gptq", -1),
+    ):
+        out[name] = write_quantized(src, root / f"{name}_q", root / f"{name}_ref", method, group)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name", ["llama_gptq_g32", "llama_awq_g64", "qwen2_awq_g32", "qwen3_gptq_gall"]
+)
+def test_quantized_matches_hf_on_dequantized(
+    quantized: dict[str, tuple[Path, Path]], name: str
+) -> None:
+    qpath, ref_path = quantized[name]
+    ref_tokens, ref_lps = hf_greedy(ref_path, PROMPTS, N_NEW)
+    llm = LLM(str(qpath), page_size=4)
+    assert llm.engine.model_config.quant is not None
+    out = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=N_NEW, ignore_eos=True, logprobs=True)
+    )
+    for res, toks, lps in zip(out, ref_tokens, ref_lps):
+        assert res["token_ids"] == toks
+        assert max(abs(a - b) for a, b in zip(res["logprobs"], lps)) < 1e-4
+    # CPU dequantizes once at load: the layers hold float weights, no packed tensors.
+    layer = llm.engine.model.model.layers[0]  # type: ignore[union-attr,index]
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32 and not hasattr(qkv, "scales")
+    assert_engine_clean(llm)
+
+
+@pytest.mark.timeout(180)
+def test_quantized_tp2_matches_tp1(
+    quantized: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Column-parallel shards split N (merged q/k/v, gate/up), row-parallel ones K by whole
+    groups; group_size -1 keeps its one group's scales on every rank."""
+    monkeypatch.setenv("MINISGL_DIST_TIMEOUT_S", "60")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for name in ("llama_gptq_g32", "qwen2_awq_g32", "qwen3_gptq_gall"):
+        path = str(quantized[name][0])
+        ref = LLM(path)
+        want = [r["token_ids"] for r in ref.generate(PROMPTS, params)]
+        del ref
+        with LLM(path, tp_size=2) as tp2:
+            assert [r["token_ids"] for r in tp2.generate(PROMPTS, params)] == want, name
+
+
+def _edit_config(path: Path, **fields: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"].update(fields)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"bits": 8}, "bits=8"),
+        ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+        ({"checkpoint_format": "marlin"}, "checkpoint_format"),
+    ],
+)
+def test_unsupported_gptq_settings_name_the_field(
+    tmp_path: Path, fields: dict[str, object], named: str
+) -> None:
+    src = make_tiny_model(tmp_path / "src", "llama")
+    qpath, _ = write_quantized(src, tmp_path / "q", tmp_path / "r", "gptq", 32)
+    _edit_config(qpath, **fields)
+    with pytest.raises(ValueError, match=named.replace("[", r"\[")):
+        LLM(str(qpath))
+
+
+def test_unsupported_awq_settings_name_the_field(tmp_path: Path) -> None:
+    src = make_tiny_model(tmp_path / "src", "llama")
+    qpath, _ = write_quantized(src, tmp_path / "q", tmp_path / "r", "awq", 32)
+    _edit_config(qpath, version="gemv")
+    with pytest.raises(ValueError, match="version='gemv'"):
+        LLM(str(qpath))
+    _edit_config(qpath, version="gemm", zero_point=False)
+    with pytest.raises(ValueError, match="zero_point"):
+        LLM(str(qpath))
+
+
+def test_act_order_g_idx_is_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(tmp_path / "src", "llama")
+    qpath, _ = write_quantized(src, tmp_path / "q", tmp_path / "r", "gptq", 32)
+    _edit_config(qpath, desc_act=True)
+    weights = load_file(str(qpath / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    weights[name] = weights[name].flip(0).contiguous()  # act-order: groups out of input order
+    save_file(weights, str(qpath / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="desc_act=True"):
+        LLM(str(qpath))
