@@ -21,6 +21,7 @@ FLAG_ALIASES: dict[str, list[str]] = {
     "attention_backend": ["--attn"],
     "cache": ["--cache-type"],
     "context_length": ["--max-model-len"],
+    "schedule_policy": ["--scheduling-policy"],  # vLLM's spelling
 }
 
 FLAG_HELP: dict[str, str] = {
@@ -41,7 +42,8 @@ FLAG_HELP: dict[str, str] = {
     "disable_fused_rope_store": "run q/k norm, RoPE and the KV-cache store as separate kernels "
     "(CUDA; outputs are identical either way)",
     "cache": "prefix cache: radix | naive",
-    "schedule_policy": "fcfs | lpm (longest prefix match first)",
+    "schedule_policy": "fcfs | lpm (longest prefix match first) | priority (each request's "
+    "priority field, lower values first; ties by arrival)",
     "attention_backend": "auto | torch | triton | flashinfer",
     "cuda_graph_max_bs": "largest CUDA-graph batch size (0 disables CUDA graphs)",
     "cuda_graph_max_tokens": "prefill/mixed steps up to this many tokens replay CUDA graphs "

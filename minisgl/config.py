@@ -9,6 +9,8 @@ from typing import Any
 # --kv-cache-dtype values (minisgl/kvcache/kv_dtype.py maps them to torch dtypes); "fp8" is
 # vLLM's spelling of fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")
+# --schedule-policy values; "priority" orders by each request's priority (scheduler/policy.py).
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class EngineConfig:
     chunked_prefill_size: int | None = None
     disable_mixed_batch: bool = False
     cache: str = "radix"  # radix | naive
-    schedule_policy: str = "fcfs"  # fcfs | lpm
+    # fcfs | lpm | priority (each request's `priority`, lower first; vLLM's convention)
+    schedule_policy: str = "fcfs"
     attention_backend: str = "auto"  # auto | torch | triton | flashinfer
     cuda_graph_max_bs: int | None = None  # None = auto; 0 disables CUDA graphs
     # Prefill/mixed steps of up to this many new tokens replay CUDA graphs too (padded to
@@ -85,10 +88,10 @@ class EngineConfig:
         )
         _check(self.cache in ("radix", "naive"), "cache", self.cache, "radix or naive")
         _check(
-            self.schedule_policy in ("fcfs", "lpm"),
+            self.schedule_policy in SCHEDULE_POLICIES,
             "schedule_policy",
             self.schedule_policy,
-            "fcfs or lpm",
+            "fcfs, lpm or priority",
         )
         _check(
             self.load_format in ("auto", "safetensors", "gguf", "dummy"),

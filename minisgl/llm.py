@@ -127,8 +127,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[dict[str, Any]]:
-        """Generate for every prompt; results come back in input order."""
+        """Generate for every prompt; results come back in input order. ``priority`` (vLLM's
+        argument) gives one integer per prompt, lower first; it needs
+        ``schedule_policy="priority"`` unless all are 0."""
         if "scheduler" not in self.__dict__:
             raise RuntimeError(
                 "this LLM is closed: its engine is freed, its TP ranks (if any) shut down"
@@ -152,19 +155,35 @@ class LLM:
             )
         for p in params:
             p.validate()
+        priorities = self._priorities(priority, len(prompts))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
         encoded = [self.encode(p) for p in prompts]
         for ids in encoded:
             self.scheduler.check_prompt(ids)
         for p in params:
             self.scheduler.grammar_matcher(p)  # a grammar that does not compile: ValueError
-        items = [(ids, p) for ids, p in zip(encoded, params, strict=True) for _ in range(p.n)]
+        items = [
+            (ids, p, prio)
+            for ids, p, prio in zip(encoded, params, priorities, strict=True)
+            for _ in range(p.n)
+        ]
         if self._tp_teardown is not None:
             reqs: list[Req] = self.scheduler.add_requests(items)  # one message to the ranks
         else:
-            reqs = [self.scheduler.add_request(ids, p) for ids, p in items]
+            reqs = [self.scheduler.add_request(ids, p, priority=prio) for ids, p, prio in items]
         self._run(reqs, use_tqdm if use_tqdm is not None else len(reqs) >= 8)
         return [self._result(r) for r in reqs]
+
+    def _priorities(self, priority: Sequence[int] | None, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+            raise ValueError(
+                f"priority must be a list of integers (one per prompt), got {priority!r}"
+            )
+        if len(priority) != n:
+            raise ValueError(f"priority must have one entry per prompt: {len(priority)} for {n}")
+        return [self.scheduler.check_priority(p) for p in priority]
 
     def chat(
         self,

@@ -32,11 +32,15 @@ GATHERED = frozenset({"report"})  # ops whose per-rank results are collected on 
 SUMMARY_KEYS = ("digest", "steps", "running", "waiting", "free_pages", "evictable_pages")
 
 
+AddArgs = tuple[Sequence[int], SamplingParams, int]  # prompt ids, params, priority
+
+
 @dataclass(frozen=True)
 class AddItem:
     uid: int
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 class RankState:
@@ -55,7 +59,7 @@ class RankState:
         # Sorted by uid: the waiting queue's order is part of the state every rank must share,
         # and must not depend on how rank 0 happened to collect the requests.
         reqs = [
-            self.scheduler.add_request(it.prompt_ids, it.params, uid=it.uid)
+            self.scheduler.add_request(it.prompt_ids, it.params, uid=it.uid, priority=it.priority)
             for it in sorted(items, key=lambda it: it.uid)
         ]
         self._fold([(r.uid, "add", r.seed) for r in reqs])
@@ -151,29 +155,41 @@ class MirroredScheduler:
             self.broken = f"{op} failed ({type(exc).__name__})"
             raise
 
-    def add_requests(self, items: Sequence[tuple[Sequence[int], SamplingParams]]) -> list[Req]:
-        """Queue several requests with one message; the Reqs come back in item order."""
-        for ids, params in items:  # validate on rank 0, so followers never see a bad item
+    def add_requests(
+        self, items: Sequence[tuple[Sequence[int], SamplingParams] | AddArgs]
+    ) -> list[Req]:
+        """Queue several (prompt, params[, priority]) with one message; the Reqs come back in
+        item order."""
+        full = [(*item, 0) if len(item) == 2 else item for item in items]
+        for ids, params, priority in full:  # validate on rank 0: followers never see a bad item
             params.validate()
             self._local.check_prompt(ids)
-        adds = [self._item(next(self._local.uids), ids, p) for ids, p in items]
+            self._local.check_priority(priority)
+        adds = [self._item(next(self._local.uids), ids, p, prio) for ids, p, prio in full]
         return list(self._call("add", adds))
 
-    def _item(self, uid: int, ids: Sequence[int], params: SamplingParams) -> AddItem:
+    def _item(
+        self, uid: int, ids: Sequence[int], params: SamplingParams, priority: int = 0
+    ) -> AddItem:
         # Rank 0 draws the seed (from the config seed, in the order one rank would) and sends
         # it, so no rank depends on its own random state to sample what the others sample.
         if params.seed is None:
             params = dataclasses.replace(params, seed=self._local.rng.getrandbits(62))
-        return AddItem(uid, list(ids), params)
+        return AddItem(uid, list(ids), params, priority)
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, uid: int | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        uid: int | None = None,
+        priority: int = 0,
     ) -> Req:
         if uid is not None:
             params.validate()
             self._local.check_prompt(prompt_ids)
-            return list(self._call("add", [self._item(uid, prompt_ids, params)]))[0]
-        return self.add_requests([(prompt_ids, params)])[0]
+            self._local.check_priority(priority)
+            return list(self._call("add", [self._item(uid, prompt_ids, params, priority)]))[0]
+        return self.add_requests([(prompt_ids, params, priority)])[0]
 
     def abort(self, uid: int) -> Req | None:
         return self._call("abort", uid)  # type: ignore[no-any-return]

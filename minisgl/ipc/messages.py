@@ -54,6 +54,7 @@ class SubmitItem:
     return_prompt_text: bool = False  # completions echo
     return_prompt_tokens: bool = False  # echo + logprobs: the prompt's token strings
     tools: list[dict[str, Any]] | None = None  # chat: passed to the template
+    priority: int = 0  # --schedule-policy priority: lower values are served first
 
 
 @message
@@ -92,6 +93,7 @@ class TokenizedRequest:
     rid: int
     input_ids: list[int]
     params: dict[str, Any]
+    priority: int = 0
 
 
 @message

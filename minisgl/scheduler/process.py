@@ -256,13 +256,16 @@ class SchedulerLoop:
             for r, p in zip(msg.reqs, params, strict=True):
                 self.scheduler.check_prompt(r.input_ids)
                 self.scheduler.grammar_matcher(p)  # compiles (and caches) a bad grammar: 400
+                self.scheduler.check_priority(r.priority)  # non-zero without the policy: 400
                 if r.rid in self.live:
                     raise ValueError(f"request id {r.rid} is already in use")
         except (ValueError, TypeError) as exc:
             outputs += [error_output(r.rid, str(exc), 400) for r in msg.reqs]
             return
         for r, p in zip(msg.reqs, params, strict=True):
-            self.live[r.rid] = self.scheduler.add_request(r.input_ids, p, uid=r.rid)
+            self.live[r.rid] = self.scheduler.add_request(
+                r.input_ids, p, uid=r.rid, priority=r.priority
+            )
             self.reported[r.rid] = 0
 
     def _queue_full(self, new: int) -> bool:
@@ -393,6 +396,7 @@ class SchedulerLoop:
             "prefix_looked_up_tokens": stats.looked_up_tokens,
             "prefix_matched_tokens": stats.matched_tokens,
             "retractions": s.num_retractions,
+            "priority_preemptions": s.num_priority_preemptions,
             "spec_verify_steps": s.stats["spec_rows"],
             "spec_draft_tokens": s.stats["spec_drafted"],
             "spec_accepted_tokens": s.stats["spec_accepted"],

@@ -39,6 +39,8 @@ class Req:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
     admit_order: int = 0
+    priority: int = 0  # --schedule-policy priority: lower values are served first
+    arrival: int = 0  # the scheduler's arrival counter: ties between equal priorities
     drafter: object | None = None  # speculative n-gram index over the request's tokens
     draft: list[int] = field(default_factory=list)  # n-gram tokens proposed for this step
     num_draft: int = 0  # draft tokens verified in this step (0: a plain decode)

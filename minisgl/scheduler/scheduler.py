@@ -6,6 +6,7 @@ runs it through the engine, and turns sampled tokens into request progress.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ from minisgl.engine.sampler import SamplingRows
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.kv_manager import KVManager, ranges
+from minisgl.scheduler.policy import check_priority
 from minisgl.scheduler.request import Req, ReqState
 from minisgl.scheduler.stop import StopChecker, tokenizer_of
 from minisgl.speculative.speculator import BatchRow, Proposal, make_speculator
@@ -97,6 +99,11 @@ class Scheduler:
         self.rng = random.Random(cfg.seed)
         self.uids = itertools.count()
         self.admit_counter = itertools.count()
+        self.arrivals = itertools.count()
+        # --schedule-policy priority: the waiting queue is kept in (priority, arrival) order,
+        # and a step whose admission was blocked lets the next one preempt for the queue's head.
+        self.by_priority = cfg.schedule_policy == "priority"
+        self._admission_blocked = False
         self.new_token_ratio = cfg.init_new_token_ratio
         self.ratio_decay = (cfg.init_new_token_ratio - cfg.min_new_token_ratio) / 600
         self.context_length = engine.context_length
@@ -114,6 +121,7 @@ class Scheduler:
             "spec_accepted": 0,
         }
         self.num_retractions = 0
+        self.num_priority_preemptions = 0  # retractions to admit a higher-priority request
         # The last step's sampling rows, reused while the same requests sample.
         self._sampling: SamplingRows | None = None
         self._sampling_key: tuple[tuple[int, ...], bool] = ((), False)
@@ -132,11 +140,20 @@ class Scheduler:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
+    def check_priority(self, priority: object) -> int:
+        """ValueError naming ``priority`` if this scheduler cannot honour it."""
+        return check_priority(priority, self.config.schedule_policy)
+
     def add_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams, uid: int | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        uid: int | None = None,
+        priority: int = 0,
     ) -> Req:
         params.validate()
         self.check_prompt(prompt_ids)
+        self.check_priority(priority)
         matcher = self.grammar_matcher(params)
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
         req = Req(
@@ -145,9 +162,23 @@ class Scheduler:
             params=params,
             seed=seed,
             grammar=matcher,
+            priority=priority,
+            arrival=next(self.arrivals),
         )
-        self.waiting.append(req)
+        self._enqueue(req, retracted=False)
         return req
+
+    def _enqueue(self, req: Req, retracted: bool) -> None:
+        """Queue a new or retracted request. FCFS/LPM: new ones at the back, retracted ones at
+        the front (they were admitted before anything still waiting). Priority: at their
+        (priority, arrival) place, found by bisection (the queue is kept sorted, so no step
+        sorts it)."""
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=_priority_key)
+        elif retracted:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def grammar_matcher(self, params: SamplingParams) -> object | None:
         """A matcher for the request's structured-output constraint (None without one);
@@ -211,6 +242,9 @@ class Scheduler:
         return done
 
     def _schedule(self) -> list[_Row]:
+        if self._admission_blocked:
+            self._admission_blocked = False
+            self._preempt_for_priority()
         mixed = not self.config.disable_mixed_batch
         decodes, partial = self._split_running()
         rows: list[_Row] = []
@@ -226,8 +260,9 @@ class Scheduler:
         if not rows and decodes and not mixed:
             rows = self._schedule_decodes(decodes)
         if not rows and self.running and self.inflight is None:
-            # Nothing could get memory: give the newest request's pages back and retry later.
-            self._retract(max(self.running, key=lambda r: r.admit_order))
+            # Nothing could get memory: give the newest (or, by priority, the least important)
+            # request's pages back and retry later.
+            self._retract(max(self.running, key=self._victim_key))
         return rows
 
     def _split_running(self) -> tuple[list[Req], list[Req]]:
@@ -258,7 +293,7 @@ class Scheduler:
         needs = self.kv.pages_needed(decodes, new_tokens)
         need = sum(needs)
         while decodes and need > self.kv.available_pages:
-            i = max(range(len(decodes)), key=lambda j: decodes[j].admit_order)
+            i = max(range(len(decodes)), key=lambda j: self._victim_key(decodes[j]))
             victim = decodes.pop(i)
             need -= needs.pop(i)
             new_tokens.pop(i)
@@ -280,7 +315,7 @@ class Scheduler:
     def _schedule_prefill(self, partial: list[Req], budget: int) -> list[_Row]:
         rows: list[_Row] = []
         reserve = self._reserve_pages()
-        for r in sorted(partial, key=lambda r: r.admit_order):
+        for r in sorted(partial, key=_priority_key if self.by_priority else _admit_order):
             if budget <= 0:
                 return rows
             n = min(r.pending, budget)
@@ -292,11 +327,12 @@ class Scheduler:
             budget -= n
         admitted: dict[tuple[int, ...], list[Req]] = {}
         for req in self._waiting_in_policy_order():
-            if budget <= 0 or not self.kv.free_rows:
+            if budget <= 0:
                 break
             if req.inflight:
                 continue  # retracted with a token in flight: wait until its value is known
-            if not self.kv.admit(req):
+            if not self.kv.admit(req):  # no free row
+                self._admission_blocked = self.by_priority
                 break
             if self.kv.reuse and self._shares_uncached_prefix(req, admitted):
                 self._unadmit(req)
@@ -311,7 +347,8 @@ class Scheduler:
             short = need > self.kv.available_pages - reserve and bool(self.running)
             if short or chunk_pages > self.kv.available_pages or not self.kv.allocate(req, n):
                 self._unadmit(req)
-                break  # first-come first-served: do not let later requests jump the queue
+                self._admission_blocked = self.by_priority
+                break  # in policy order: do not let later requests jump the queue
             self.waiting.remove(req)
             req.state = ReqState.RUNNING
             req.admit_order = next(self.admit_counter)
@@ -328,7 +365,7 @@ class Scheduler:
         return rows
 
     def _waiting_in_policy_order(self) -> list[Req]:
-        reqs = list(self.waiting)
+        reqs = list(self.waiting)  # by priority: already in order (_enqueue)
         if self.config.schedule_policy == "lpm" and self.kv.reuse and len(reqs) <= LPM_MAX_QUEUE:
             hits = {
                 id(r): self.kv.cache.match_prefix(
@@ -351,16 +388,59 @@ class Scheduler:
     def _unadmit(self, req: Req) -> None:
         self.kv.release(req)
 
-    def _retract(self, req: Req) -> None:
-        """Preempt: free the request's pages (its computed prefix stays in the cache) and requeue."""
+    def _retract(self, req: Req, overcommitted: bool = True) -> None:
+        """Preempt: free the request's pages (its computed prefix stays in the cache) and requeue.
+        Running out of pages means admission guessed too much room: start guessing
+        conservatively again (not so when preempting for priority)."""
         self.num_retractions += 1
         if req in self.running:
             self.running.remove(req)
         self.kv.release(req)
         req.state = ReqState.WAITING
-        self.waiting.appendleft(req)
-        self.new_token_ratio = self.config.init_new_token_ratio
+        self._enqueue(req, retracted=True)
+        if overcommitted:
+            self.new_token_ratio = self.config.init_new_token_ratio
         logger.debug("retracted request %s with %d output tokens", req.uid, len(req.output_ids))
+
+    def _victim_key(self, req: Req) -> tuple[int, int]:
+        """Retraction picks the largest: by priority the least important, then the latest to
+        arrive (vLLM's choice); otherwise the latest admitted."""
+        return (req.priority, req.arrival) if self.by_priority else (0, req.admit_order)
+
+    def _preempt_for_priority(self) -> None:
+        """Last step's admission stopped at a request for want of a row or pages: retract
+        running requests of strictly lower priority (larger values) for the queue's head, at
+        least one and then until its admission test would pass. (SGLang preempts for waiting
+        requests like this; vLLM's priority preemption only covers running requests that run
+        out of pages, which `_schedule_decodes` does here too.) Equal priorities never preempt
+        each other, so requests cannot take turns evicting one another; the victims queue
+        behind the head and keep their computed prefix in the cache."""
+        head = next((r for r in self.waiting if not r.inflight), None)
+        if head is None:
+            return
+        retracted = False
+        while self.running:
+            victim = max(self.running, key=self._victim_key)
+            if victim.priority <= head.priority or (retracted and self._admissible(head)):
+                return
+            self._retract(victim, overcommitted=False)
+            self.num_priority_preemptions += 1
+            retracted = True
+
+    def _admissible(self, req: Req) -> bool:
+        """Whether admission would now take ``req`` (an estimate of `_schedule_prefill`'s test:
+        a free row, and pages for its first chunk plus its expected growth beside the growth
+        reserved for running requests)."""
+        if not self.kv.free_rows:
+            return False
+        cached = 0
+        if self.kv.reuse and req.params.prompt_logprobs is None:
+            prefix = req.token_slice(0, req.num_tokens - 1)
+            cached = self.kv.cache.match_prefix(prefix, count=False).length
+        n = min(req.num_tokens - cached, self.engine.chunked_prefill_size)
+        own = int(self._growth(req) * self.new_token_ratio) // self.page_size
+        need = -(-n // self.page_size) + own
+        return need <= self.kv.available_pages - (self._reserve_pages() if self.running else 0)
 
     def _restore_penalties(self, req: Req) -> None:
         outputs = torch.tensor(req.output_ids, dtype=torch.long) if req.output_ids else None
@@ -608,6 +688,14 @@ def _grammar_done(req: Req, token: int) -> bool:
 
 def _uid(req: Req) -> int:
     return req.uid
+
+
+def _admit_order(req: Req) -> int:
+    return req.admit_order
+
+
+def _priority_key(req: Req) -> tuple[int, int]:
+    return (req.priority, req.arrival)
 
 
 def _uses_penalties(req: Req) -> bool:

@@ -65,7 +65,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     except ValueError as exc:
         raise bad_request(exc) from None
     n = fields["n"]
-    group = state.submit(make_items(prompts, [choice_params(fields, i) for i in range(n)]))
+    choices = [choice_params(fields, i) for i in range(n)]
+    group = state.submit(make_items(prompts, choices, priority=body.priority or 0))
     base = body.rid or uuid.uuid4().hex
     state.frontend.name(group, base)
     ids = [base] if len(group.rids) == 1 else [f"{base}-{i}" for i in range(len(group.rids))]

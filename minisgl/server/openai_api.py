@@ -111,7 +111,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         raise bad_request(exc) from None
     n = fields["n"]
     items = make_items(
-        [messages], [choice_params(fields, i) for i in range(n)], **body.template_fields()
+        [messages],
+        [choice_params(fields, i) for i in range(n)],
+        priority=body.priority or 0,
+        **body.template_fields(),
     )
     group = state.submit(items)
     env = _Envelope(
@@ -208,6 +211,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     items = make_items(
         prompts, [choice_params(fields, i) for i in range(n)],
         return_prompt_text=body.echo, return_prompt_tokens=body.echo and want_logprobs,
+        priority=body.priority or 0,
     )  # fmt: skip
     group = state.submit(items)
     env = _Envelope(

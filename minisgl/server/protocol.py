@@ -9,16 +9,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.policy import PRIORITY_MAX, PRIORITY_MIN
 from minisgl.server.tool_calls import call_grammar, check_tools
 
 MAX_N = 128  # choices per request: more is almost surely a mistake, and each one costs KV
 # Seeds cross IPC as 64-bit integers; choice i of an n > 1 request uses seed + i, so leave room.
 SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
+# vLLM's / SGLang's request `priority` (used with --schedule-policy priority, lower first; the
+# scheduler refuses a non-zero one without it). Strict: true or "1" is a 400 naming the field.
+Priority = Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] | None
 
 
 class StreamOptions(BaseModel):
@@ -73,6 +77,7 @@ class _OpenAISampling(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     # SGLang / vLLM extensions
+    priority: Priority = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -285,6 +290,7 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     rid: str | None = None
+    priority: Priority = None
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(prompts, is_batch)."""

@@ -26,7 +26,7 @@ from minisgl.ipc.messages import TextOutput
 from minisgl.server.chat_reply import ChatReplyParser
 from minisgl.server.errors import bad_request
 from minisgl.server.frontend import RequestGroup, SequenceResult, make_items
-from minisgl.server.protocol import ChatCompletionRequest
+from minisgl.server.protocol import ChatCompletionRequest, Priority
 from minisgl.server.state import server_state
 from minisgl.server.streaming import respond, sse_event, sse_stream
 
@@ -50,6 +50,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # accepted; nothing is stored
     metadata: dict[str, str] | None = None
     user: str | None = None
+    priority: Priority = None  # vLLM's extra field
 
     def chat_request(self) -> ChatCompletionRequest:
         """The equivalent chat completion (ValueError naming the field if there is none)."""
@@ -75,6 +76,7 @@ class ResponsesRequest(BaseModel):
             response_format=fmt,
             tools=[_chat_tool(t) for t in self.tools] if self.tools else None,
             tool_choice=_chat_tool_choice(self.tool_choice),
+            priority=self.priority,
         )
 
 
@@ -140,7 +142,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         messages = chat.message_dicts()  # earlier calls' arguments must be JSON: a 400 if not
     except ValueError as exc:
         raise bad_request(exc) from None
-    items = make_items([messages], [fields], **chat.template_fields())
+    items = make_items([messages], [fields], priority=chat.priority or 0, **chat.template_fields())
     group = state.submit(items)
     rid, msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
     state.frontend.name(group, rid)  # for /abort_request

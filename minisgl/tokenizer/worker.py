@@ -159,7 +159,9 @@ class Worker:
     # ------------------------------------------------------------ requests
     def _submit(self, msg: SubmitRequest, outputs: list[TextOutput]) -> None:
         try:
-            reqs = [TokenizedRequest(i.rid, self._tokenize(i), i.params) for i in msg.items]
+            reqs = [
+                TokenizedRequest(i.rid, self._tokenize(i), i.params, i.priority) for i in msg.items
+            ]
         except Exception as exc:  # template errors, bad roles, ... : the client's fault
             for item in msg.items:
                 outputs.append(

@@ -138,12 +138,28 @@ def test_choices_get_distinct_seeds() -> None:
     assert choice_params(unseeded, 1)["seed"] is None
 
 
+def test_priority_field_is_strict() -> None:
+    """vLLM's / SGLang's `priority`: an integer in the signed 64-bit range (it crosses IPC as
+    msgpack); a bool, a numeric string or a float is a 400 naming the field."""
+    msgs = [{"role": "user", "content": "hi"}]
+    assert GenerateRequest(text="x", priority=-4).priority == -4
+    assert ChatCompletionRequest(messages=msgs, priority=7).priority == 7  # type: ignore[arg-type]
+    assert CompletionRequest(prompt="x", priority=2**63 - 1).priority == 2**63 - 1
+    assert GenerateRequest(text="x").priority is None
+    for bad in (True, "1", 1.0, 2**63, -(2**63) - 1):
+        with pytest.raises(ValidationError) as info:
+            GenerateRequest(text="x", priority=bad)
+        assert info.value.errors()[0]["loc"] == ("priority",)
+
+
 # ---------------------------------------------------------------- IPC codec
 def test_messages_round_trip() -> None:
     msgs = [
         SubmitRequest([SubmitItem(1, messages=MSG, params={"max_tokens": None}, return_prompt_text=True)]),
         SubmitRequest([SubmitItem(5, messages=MSG, chat_template_kwargs={"enable_thinking": False}, continue_final_message=True, add_generation_prompt=False)]),
         AddRequests([TokenizedRequest(2, [1, 2, 3], {"stop": ["a"], "seed": -(2**63)})]),
+        SubmitRequest([SubmitItem(6, text="hi", priority=-(2**63)), SubmitItem(7, priority=2**63 - 1)]),
+        AddRequests([TokenizedRequest(8, [1], {}, priority=-3)]),
         StepOutputs(
             [
                 TokenOutput(

@@ -60,7 +60,22 @@ VARIANTS = {
     "overlap-page16-nomixed": dict(
         overlap=True, page_size=16, num_pages=256, disable_mixed_batch=True
     ),
+    # Priorities (PRIORITIES below) reorder admission and retraction, never the tokens.
+    "priority": dict(schedule_policy="priority"),
+    "priority-small-pool": dict(
+        schedule_policy="priority", num_pages=260, max_running_requests=6, init_new_token_ratio=0.05
+    ),
+    "overlap-priority-small-pool-chunk16": dict(
+        schedule_policy="priority",
+        overlap=True,
+        num_pages=260,
+        max_running_requests=6,
+        init_new_token_ratio=0.05,
+        chunked_prefill_size=16,
+    ),
 }
+# Mixed, with ties, so that the queue order differs from arrival order.
+PRIORITIES = [(i * 7) % 5 - 2 for i in range(15)]
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +94,8 @@ def test_outputs_identical(
     overlap = bool(options.pop("overlap", False))
     llm = LLM(str(tiny_models["llama"]), **options)
     llm.scheduler.overlap = overlap
-    out = llm.generate(prompts, params)
+    priority = PRIORITIES if options["schedule_policy"] == "priority" else None
+    out = llm.generate(prompts, params, priority=priority)
     assert [r["token_ids"] for r in out] == reference
     assert_engine_clean(llm)
     if "small-pool" in name:
