@@ -206,6 +206,8 @@ class Frontend:
 
     # ------------------------------------------------------------ requests
     def submit(self, items: list[SubmitItem]) -> RequestGroup:
+        if not items:  # a group of no requests would never finish: its reply would hang
+            raise ValueError("the request holds no prompt")
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
         if self.draining:

@@ -299,6 +299,8 @@ class GenerateRequest(BaseModel):
         if self.text is not None:
             if isinstance(self.text, str):
                 return [self.text], False
+            if not self.text:
+                raise ValueError("text is an empty list: at least one prompt is required")
             return list(self.text), True
         ids = self.input_ids or []
         if ids and isinstance(ids[0], list):

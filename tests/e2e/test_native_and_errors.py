@@ -102,6 +102,8 @@ BAD_REQUESTS: list[tuple[str, str, Any]] = [
     ("token id out of range", "/v1/completions", {"prompt": [10**9], "max_tokens": 2}),
     ("mixed prompt list", "/v1/completions", {"prompt": ["a", [1, 2]], "max_tokens": 2}),
     ("generate without prompt", "/generate", {"sampling_params": {"max_new_tokens": 2}}),
+    ("generate with no texts", "/generate", {"text": []}),  # hung: a group of no requests
+    ("generate with an empty id batch", "/generate", {"input_ids": [[]]}),
     ("generate unknown param", "/generate", {"text": "hi", "sampling_params": {"max_tokens": 2}}),
     ("seed too large", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 2**70}),
     ("logit_bias", "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"5": 1.0}}),
