@@ -20,11 +20,12 @@ the device computes with: on CPU the dequantized weight in the compute dtype (CP
 tests and small models, so it dequantizes once and runs the float path); on CUDA the
 canonical packed layout of kernels/int4_gemm.py, int32 [K/8, N] (GPTQ's order, whatever
 the checkpoint's) with float32 scales and uint8 zeros [K/G, N], dequantized tile by tile
-inside the GEMM.
+inside the GEMM (kernels/int4_gemv.py for 1-4 rows, unless MINISGL_INT4_GEMV=0).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -211,7 +212,24 @@ def finish_int4(layer: Any, dtype: torch.dtype) -> None:
     layer.int4_group = codes.shape[1] // zeros.shape[1]
 
 
-def int4_forward(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from minisgl.kernels.int4_gemm import int4_gemm
+# MINISGL_INT4_GEMV=0: the int4 GEMM for every row count (no batch-1 GEMV).
+INT4_GEMV = os.environ.get("MINISGL_INT4_GEMV", "1").lower() not in ("0", "false", "no", "off")
+INT4_GEMV_MAX_ROWS = 4  # kernels/int4_gemv.py's MAX_ROWS (not imported: CPU needs no triton)
 
-    return int4_gemm(x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group, bias)
+
+def use_int4_gemv(rows: int, enabled: bool | None = None) -> bool:
+    """Whether a product of ``rows`` rows runs the batch-1 GEMV rather than the GEMM
+    (``enabled``: MINISGL_INT4_GEMV unless given). Only CUDA layers reach int4_forward."""
+    on = INT4_GEMV if enabled is None else enabled
+    return on and 0 < rows <= INT4_GEMV_MAX_ROWS
+
+
+def int4_forward(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    args = (x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group, bias)
+    if use_int4_gemv(x.shape[0]):
+        from minisgl.kernels import int4_gemv
+
+        return int4_gemv.int4_gemv(*args)
+    from minisgl.kernels import int4_gemm
+
+    return int4_gemm.int4_gemm(*args)
