@@ -1,10 +1,12 @@
 """The int4 GEMM Triton kernel (kernels/int4_gemm.py) against a plain torch dequantize-then-
-matmul: 1-16 rows and prefill-sized ones, several group sizes, odd N, bias, fp32/bf16/fp16.
-Run under Triton's interpreter on CPU (one child process, see tests/kernel_checks.py) and
+matmul: 1-16 rows and prefill-sized ones, several group sizes, odd N, bias, fp32/bf16/fp16;
+and the batch-1 int4 GEMV (kernels/int4_gemv.py, 1-4 rows) against the same reference and
+against the GEMM, in each of its ways of reading scales and zeros. Run under Triton's interpreter on CPU (one child process, see tests/kernel_checks.py) and
 natively on CUDA under the ``gpu`` marker."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -91,6 +93,90 @@ def check_int4_strided_rows_and_empty(device: torch.device) -> None:
     got = int4_gemm(x.to(device), qw.to(device), scales.to(device), zeros.to(device), 32)
     torch.testing.assert_close(got.cpu(), x @ w.T, atol=1e-4, rtol=1e-4)
     empty = int4_gemm(x[:0].to(device), qw.to(device), scales.to(device), zeros.to(device), 32)
+    assert empty.shape == (0, 24)
+
+
+# ------------------------------------------------------------------ the batch-1 GEMV
+def _tolerance(dtype: torch.dtype, ref: torch.Tensor) -> float:
+    """fp32: tight (only the summation order differs); 16-bit: 3 ulps of the dtype at the
+    output's magnitude (the final rounding plus the accumulation orders of two kernels)."""
+    mag = max(float(ref.abs().max()), 1e-3)
+    if dtype == torch.float32:
+        return 2e-6 * mag
+    return 3 * 2.0 ** math.floor(math.log2(mag)) * torch.finfo(dtype).eps
+
+
+def _gemv_case(
+    rows: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, dev: torch.device,
+    tiles: tuple[int, int, int, int, int] | None = None, stride: int = 0,
+) -> None:  # fmt: skip
+    """The GEMV against float64 products of the weights rounded to ``dtype`` (as both
+    kernels round them), and against the GEMM on the same inputs. ``stride``: x's rows are
+    a slice of [rows, k + stride]."""
+    from minisgl.kernels.int4_gemm import int4_gemm
+    from minisgl.kernels.int4_gemv import int4_gemv
+
+    qw, scales, zeros, w = _weights(n, k, group, rows * 5 + n + k + group)
+    g = torch.Generator().manual_seed(k + rows)
+    x = torch.randn(rows, k + stride, generator=g).to(dtype)[:, :k]
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = x.double() @ w.to(dtype).double().T
+    if b is not None:
+        ref += b.double()
+    args = (x.to(dev), qw.to(dev), scales.to(dev), zeros.to(dev), group)
+    bd = None if b is None else b.to(dev)
+    got = int4_gemv(*args, bd, tiles)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    tol = _tolerance(dtype, ref)
+    torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=0)
+    gemm = int4_gemm(*args, bd)
+    torch.testing.assert_close(got.double().cpu(), gemm.double().cpu(), atol=tol, rtol=0)
+
+
+def check_int4_gemv_rows_1_to_4(device: torch.device) -> None:
+    for rows in (1, 2, 3, 4):
+        _gemv_case(rows, 72, 256, 32, torch.float32, False, device)
+
+
+def check_int4_gemv_group_sizes(device: torch.device) -> None:
+    """Each way of reading scales and zeros (kernels/int4_gemv.py scale_mode) with the
+    default 512-input K tile, odd N and K off the tile: group 8 (per word), 32 and 128
+    (sub-tiles of one group), 1024 (one group per tile), K itself (-1: one group), 24 (per
+    word: neither divides the other)."""
+    from minisgl.kernels import int4_gemv as m
+
+    cases = [(8, 1040, m.PER_WORD), (32, 544, m.PER_SUBTILE), (128, 640, m.PER_SUBTILE),
+             (1024, 2048, m.PER_SUBTILE), (200, 200, m.ONE_GROUP), (1032, 1032, m.ONE_GROUP),
+             (24, 120, m.PER_WORD)]  # fmt: skip
+    for i, (group, k, mode) in enumerate(cases):
+        assert m.scale_mode(group, k, 512)[0] == mode, (group, k)
+        _gemv_case(1 + i % 4, 37 + 2 * i, k, group, torch.float32, i % 2 == 0, device)
+
+
+def check_int4_gemv_half_precision(device: torch.device) -> None:
+    _gemv_case(1, 96, 1536, 128, torch.bfloat16, False, device)
+    _gemv_case(4, 33, 640, 128, torch.bfloat16, True, device)
+    _gemv_case(2, 50, 1040, 8, torch.bfloat16, False, device)
+    _gemv_case(3, 50, 256, 256, torch.float16, True, device)
+
+
+def check_int4_gemv_explicit_tiles(device: torch.device) -> None:
+    """Tiles other than the default: narrow and wide column blocks, short and long K steps
+    (down to one word a column), BLOCK_M above the rows."""
+    _gemv_case(1, 45, 384, 128, torch.float32, True, device, tiles=(1, 8, 64, 4, 2))
+    _gemv_case(3, 45, 2048, 128, torch.float32, False, device, tiles=(4, 32, 1024, 8, 3))
+    _gemv_case(2, 19, 96, 32, torch.float32, False, device, tiles=(4, 4, 8, 1, 1))
+    _gemv_case(1, 19, 96, 96, torch.bfloat16, False, device, tiles=(1, 16, 32, 4, 2))
+
+
+def check_int4_gemv_strided_rows_and_empty(device: torch.device) -> None:
+    from minisgl.kernels.int4_gemv import int4_gemv
+
+    _gemv_case(4, 24, 128, 32, torch.float32, True, device, stride=128)
+    _gemv_case(2, 24, 256, 64, torch.bfloat16, False, device, stride=8)
+    qw, scales, zeros, _ = _weights(24, 128, 32, 3)
+    x = torch.zeros(0, 128, device=device)
+    empty = int4_gemv(x, qw.to(device), scales.to(device), zeros.to(device), 32)
     assert empty.shape == (0, 24)
 
 
