@@ -179,3 +179,53 @@ def test_act_order_g_idx_is_refused(tmp_path: Path) -> None:
     save_file(weights, str(qpath / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="desc_act=True"):
         LLM(str(qpath))
+
+
+def test_int4_forward_routes_rows_to_gemv_or_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4_forward (reached only by CUDA layers; here with the kernels replaced by
+    recorders): 1-4 rows take the GEMV, more the GEMM; MINISGL_INT4_GEMV=0 (INT4_GEMV
+    False) keeps the GEMM for every row count."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from minisgl.kernels import int4_gemm, int4_gemv
+
+    assert q.INT4_GEMV_MAX_ROWS == int4_gemv.MAX_ROWS
+    calls: list[str] = []
+
+    def recorder(name: str):  # type: ignore[no-untyped-def]
+        def kernel(x, qweight, scales, zeros, group, bias):  # type: ignore[no-untyped-def]
+            assert qweight is layer.qweight and zeros is layer.qzeros and group == 32
+            calls.append(name)
+            return x
+
+        return kernel
+
+    monkeypatch.setattr(int4_gemv, "int4_gemv", recorder("gemv"))
+    monkeypatch.setattr(int4_gemm, "int4_gemm", recorder("gemm"))
+    layer = SimpleNamespace(
+        qweight=torch.zeros(1), scales=torch.zeros(1), qzeros=torch.zeros(1), int4_group=32
+    )
+    for enabled, want in ((True, ["gemv"] * 4 + ["gemm"] * 3), (False, ["gemm"] * 7)):
+        monkeypatch.setattr(q, "INT4_GEMV", enabled)
+        calls.clear()
+        for rows in (1, 2, 3, 4, 5, 16, 300):
+            q.int4_forward(layer, torch.zeros(rows, 8), None)
+        assert calls == want
+    assert not q.use_int4_gemv(0, True) and q.use_int4_gemv(4, True)
+    assert not q.use_int4_gemv(1, False) and not q.use_int4_gemv(5, True)
+
+
+def test_int4_gemv_env_switch_read_at_import() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from minisgl.layers import quantized as q; print(q.INT4_GEMV)"
+    for value, want in (("0", "False"), ("off", "False"), ("1", "True")):
+        env = {**os.environ, "MINISGL_INT4_GEMV": value}
+        root = Path(__file__).resolve().parents[2]
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root
+        )
+        assert out.stdout.strip() == want, out.stderr
