@@ -2,10 +2,12 @@
 `python -m pytest tests/gpu/test_int4_gpu.py -m gpu`; the kernel checks of
 tests/unit/test_int4_gemm.py run natively under the same marker).
 
-On CUDA the linear layers keep the packed weights and run kernels/int4_gemm.py, whose
-weights equal the dequantized checkpoint's rounded to bf16; the products differ from
-cuBLAS's only in accumulation order, so the first tokens agree with the engine on the
-dequantized float twin (later ones may part, as any two bf16 GEMMs' do).
+On CUDA the linear layers keep the packed weights and run kernels/int4_gemm.py (or, for 1-4
+rows, the GEMV of kernels/int4_gemv.py), whose weights equal the dequantized checkpoint's
+rounded to bf16; the products differ from cuBLAS's only in accumulation order, so the first
+tokens agree with the engine on the dequantized float twin (later ones may part, as any two
+bf16 GEMMs' do). The GEMV and the GEMM use the same weights, so switching the GEMV off
+(MINISGL_INT4_GEMV=0) leaves the first tokens as they are.
 """
 
 from __future__ import annotations
@@ -76,3 +78,53 @@ def test_int4_fp32_matches_dequantized_exactly_in_tokens(
     del ref
     llm = LLM(str(qpath), dtype="float32")
     assert [r["token_ids"] for r in llm.generate(PROMPTS, params)] == want
+
+
+def _gemv_calls(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> list[int]:
+    """Switch the int4 GEMV on or off (as MINISGL_INT4_GEMV does at import) and count its
+    launches (graph captures included: a launch recorded in a graph is counted once)."""
+    from minisgl.kernels import int4_gemv
+    from minisgl.layers import quantized
+
+    calls: list[int] = []
+    kernel = int4_gemv.int4_gemv
+
+    def counted(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(args[0].shape[0])  # type: ignore[attr-defined]
+        return kernel(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(int4_gemv, "int4_gemv", counted)
+    monkeypatch.setattr(quantized, "INT4_GEMV", enabled)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("dtype", "n_equal"), [("float32", 16), ("bfloat16", 4)], ids=["fp32", "bf16_graphs"]
+)
+def test_int4_gemv_on_equals_off(
+    checkpoints: dict[str, tuple[Path, Path]],
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: str,
+    n_equal: int,
+) -> None:
+    """Greedy tokens with the batch-1 GEMV on equal those with the GEMM everywhere: fp32
+    (IEEE products of the same weights, up to summation order) for all 16 tokens; bf16
+    with CUDA graphs (on by default) for the first 4 and the first logprob. Prompts run
+    one at a time and as a batch of 4, so decode steps of 1 and 4 rows take the GEMV."""
+    qpath, _ = checkpoints["gptq"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
+    results = {}
+    for enabled in (False, True):
+        calls = _gemv_calls(monkeypatch, enabled)
+        llm = LLM(str(qpath), dtype=dtype)
+        solo = [llm.generate([p], params)[0] for p in PROMPTS]
+        batch = llm.generate(PROMPTS, params)
+        assert (len(calls) > 0) == enabled and all(r <= 4 for r in calls), calls
+        if enabled:
+            assert {1, 4} <= set(calls), sorted(set(calls))
+        assert_engine_clean(llm)
+        results[enabled] = solo + batch
+        del llm
+    for on, off in zip(results[True], results[False]):
+        assert on["token_ids"][:n_equal] == off["token_ids"][:n_equal]
+        assert abs(on["logprobs"][0] - off["logprobs"][0]) < (1e-3 if dtype == "float32" else 5e-2)
