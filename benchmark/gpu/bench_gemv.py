@@ -4,6 +4,7 @@ Triton launch costs 30-60 us of host time, more than these kernels take on the G
 
     python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--gated] [--shapes 8B]
         [--write-table table.json]
+    python benchmark/gpu/bench_gemv.py --int4 [--int4-sweep] [--rows 1 2 4] [--shapes 8B]
     MINISGL_TRITON_GEMV=1 MINISGL_GEMV_TABLE=table.json python benchmark/offline/bench_latency.py ...
 
 --write-table keeps, per shape and row count, the fastest tiles where they beat cuBLAS by
@@ -17,6 +18,11 @@ look faster than they run in the engine.
 --gated: the gate/up shapes only, the GEMV with SiLU-and-mul fused in (gemv(..., gated=True))
 against cuBLAS followed by the SiLU kernel, each in one graph. A table row for a gated shape
 is written under the unfused key (its tiles serve both, as models/decoder.py uses them).
+
+--int4 [--int4-sweep]: 4-bit weights (group 128, the layout of kernels/int4_gemm.py) at the
+8B shapes (or --shapes), cold: the int4 GEMV (kernels/int4_gemv.py, default tiles) against
+the int4 GEMM and bf16 cuBLAS, in CUDA graphs; --int4-sweep also times a grid of GEMV tiles
+and prints the best (the input for int4_gemv_tiles).
 """
 
 from __future__ import annotations
@@ -85,6 +91,81 @@ def rotating(fn: Callable[[torch.Tensor], object], ws: list[torch.Tensor]) -> Ca
     return run
 
 
+INT4_GROUP = 128
+
+
+def int4_copies(n: int, k: int, cold: bool) -> list[tuple[torch.Tensor, ...]]:
+    """Random int4 weights (qweight, scales, zeros) in the kernels' layout; with ``cold``
+    enough copies to pass twice the L2 between two reads (as weight_copies)."""
+    nbytes = n * k // 2 + (k // INT4_GROUP) * n * 5
+    copies = max(2, -(-2 * L2_BYTES // nbytes)) if cold else 1
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+    out = []
+    for _ in range(copies):
+        qw = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), device="cuda", generator=g)
+        scales = torch.rand(k // INT4_GROUP, n, device="cuda", generator=g) * 0.02 / k**0.5
+        zeros = torch.randint(0, 16, (k // INT4_GROUP, n), device="cuda", generator=g)
+        out.append((qw.to(torch.int32), scales, zeros.to(torch.uint8)))
+    return out
+
+
+def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: bool) -> None:
+    from minisgl.kernels.int4_gemm import int4_gemm
+    from minisgl.kernels.int4_gemv import int4_gemv, int4_gemv_tiles
+
+    bf = torch.bfloat16
+    for name, (n, k) in shapes.items():
+        qs = int4_copies(n, k, cold=True)
+        ws = weight_copies(n, k, cold=True)
+        gb4 = (n * k // 2 + (k // INT4_GROUP) * n * 5) / 1e9  # words, scales and zeros
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=bf)
+            q0 = qs[0]
+            ref = int4_gemm(x, *q0, INT4_GROUP)
+            got = int4_gemv(x, *q0, INT4_GROUP)
+            torch.testing.assert_close(got, ref, atol=5e-2, rtol=2e-2)
+
+            def gemm(q: tuple, x: torch.Tensor = x) -> object:
+                return int4_gemm(x, *q, INT4_GROUP)
+
+            def cublas(w: torch.Tensor, x: torch.Tensor = x) -> object:
+                return torch.nn.functional.linear(x, w)
+
+            t_gemm = graph_time_us(rotating(gemm, qs)) / len(qs)  # type: ignore[arg-type]
+            t_cublas = graph_time_us(rotating(cublas, ws)) / len(ws)
+            configs = [int4_gemv_tiles(rows, n, k)]
+            if sweep:
+                bm = configs[0][0]
+                configs += [
+                    (bm, bn, bk, wp, st)
+                    for bn, bk, wp, st in itertools.product(
+                        (4, 8, 16, 32, 64), (256, 512, 1024), (4, 8), (2, 3)
+                    )
+                    if bm * bk // 8 * bn <= 8192
+                ]
+            results = []
+            for cfg in dict.fromkeys(configs):
+
+                def ours(q: tuple, c: tuple = cfg, x: torch.Tensor = x) -> object:
+                    return int4_gemv(x, *q, INT4_GROUP, None, c)
+
+                try:
+                    t = graph_time_us(rotating(ours, qs)) / len(qs)  # type: ignore[arg-type]
+                except Exception as e:  # out of registers or shared memory for this tile
+                    print(f"  {name} {cfg}: {type(e).__name__}")
+                    continue
+                results.append((t, cfg))
+            t_default = results[0][0]
+            results.sort()
+            top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in results[:4])
+            print(
+                f"{name:13s} M={rows}: bf16 cuBLAS {t_cublas:6.1f} us | int4 GEMM {t_gemm:6.1f}"
+                f" | int4 GEMV default {t_default:6.1f} ({gb4 / t_default * 1e3:.2f} TB/s)"
+                + (f" | best {top}" if sweep else ""),
+                flush=True,
+            )
+
+
 def main() -> None:
     from minisgl.kernels.activation import silu_and_mul
     from minisgl.kernels.gemv import gemv, gemv_tiles
@@ -95,7 +176,15 @@ def main() -> None:
     ap.add_argument("--gated", action="store_true")
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--write-table", default=None)
+    ap.add_argument("--int4", action="store_true", help="int4 GEMV vs GEMM vs bf16 cuBLAS")
+    ap.add_argument("--int4-sweep", action="store_true", help="with --int4: sweep GEMV tiles")
     args = ap.parse_args()
+    if args.int4:
+        pattern = args.shapes or "8B "
+        # The LM head stays float in int4 checkpoints.
+        shapes = {k: v for k, v in SHAPES.items() if pattern in k and "lm_head" not in k}
+        main_int4(args.rows, shapes, args.int4_sweep)
+        return
     bf = torch.bfloat16
     table = []
     shapes = {
