@@ -81,6 +81,20 @@ def int4_tiles(rows: int) -> tuple[int, int, int, int]:
     return 128, 128, 32, 8
 
 
+def prepare(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks the int4 weight's shapes against x [M, K]; returns x with unit inner stride and
+    the output [M, N] to fill (shared by this GEMM and kernels/int4_gemv.py)."""
+    k_dim = x.shape[1]
+    n_cols = qweight.shape[1]
+    assert qweight.shape[0] * 8 == k_dim and k_dim % group == 0, (x.shape, qweight.shape, group)
+    assert scales.shape == zeros.shape == (k_dim // group, n_cols), (scales.shape, zeros.shape)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, torch.empty(x.shape[0], n_cols, dtype=x.dtype, device=x.device)
+
+
 def int4_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -91,13 +105,9 @@ def int4_gemm(
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] times the int4 weight (layout above) -> [M, N] in x's dtype (+ bias [N])."""
+    x, out = prepare(x, qweight, scales, zeros, group)
     rows, k_dim = x.shape
-    n_cols = qweight.shape[1]
-    assert qweight.shape[0] * 8 == k_dim and k_dim % group == 0, (x.shape, qweight.shape, group)
-    assert scales.shape == zeros.shape == (k_dim // group, n_cols), (scales.shape, zeros.shape)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    n_cols = out.shape[1]
     if rows == 0:
         return out
     block_m, block_n, block_k, warps = tiles or int4_tiles(rows)

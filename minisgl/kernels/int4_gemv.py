@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels.int4_gemm import prepare
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -185,14 +186,10 @@ def int4_gemv(
     """x [M, K] (M <= 4) times the int4 weight -> [M, N] in x's dtype (+ bias [N]).
     ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), BLOCK_M a power of two >= M,
     BLOCK_N and BLOCK_K powers of two, BLOCK_K >= 8; default int4_gemv_tiles."""
+    assert x.shape[0] <= MAX_ROWS, x.shape
+    x, out = prepare(x, qweight, scales, zeros, group)
     rows, k_dim = x.shape
-    n_cols = qweight.shape[1]
-    assert rows <= MAX_ROWS, rows
-    assert qweight.shape[0] * 8 == k_dim and k_dim % group == 0, (x.shape, qweight.shape, group)
-    assert scales.shape == zeros.shape == (k_dim // group, n_cols), (scales.shape, zeros.shape)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    n_cols = out.shape[1]
     if rows == 0:
         return out
     block_m, block_n, block_k, warps, stages = tiles or int4_gemv_tiles(rows, n_cols, k_dim)

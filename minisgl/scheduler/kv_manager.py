@@ -15,7 +15,7 @@ import torch
 from minisgl.engine.staging import DeviceStager
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
-from minisgl.kvcache.prefix_cache import PrefixCache
+from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
 from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.request import Req
 
@@ -74,10 +74,7 @@ class KVManager:
         if not self.free_rows:
             return False
         req.row = self.free_rows.pop()
-        # Always compute at least one token, so there are logits to sample from; a request
-        # that wants prompt logprobs computes its whole prompt.
-        end = 0 if req.params.prompt_logprobs is not None else req.num_tokens - 1
-        match = self.cache.match_prefix(req.token_slice(0, end))
+        match = self.cached_prefix(req)
         self.cache.lock(match.node)
         req.tree_node, req.tree_len = match.node, match.length
         req.kv_len = req.alloc_len = req.draft_len = match.length
@@ -85,6 +82,13 @@ class KVManager:
             self.host_table[req.row, : match.length] = match.slots
             self._dirty.append(ranges([req.row], [0], [match.length]))
         return True
+
+    def cached_prefix(self, req: Req, count: bool = True) -> MatchResult:
+        """The cached prefix that admission takes for the request (nothing is locked)."""
+        # Always compute at least one token, so there are logits to sample from; a request
+        # that wants prompt logprobs computes its whole prompt.
+        end = 0 if req.params.prompt_logprobs is not None else req.num_tokens - 1
+        return self.cache.match_prefix(req.token_slice(0, end), count=count)
 
     def allocate(self, req: Req, new_tokens: int) -> bool:
         """Make room in the row for ``new_tokens`` more tokens after kv_len."""

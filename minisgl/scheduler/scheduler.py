@@ -307,6 +307,10 @@ class Scheduler:
         """Tokens a request may still add: its max_tokens, but never past the context."""
         return min(r.params.max_tokens - r.num_generated, self.context_length - r.num_tokens, 4096)
 
+    def _growth_pages(self, r: Req) -> int:
+        """Pages admission sets aside for a request's expected growth."""
+        return int(self._growth(r) * self.new_token_ratio) // self.page_size
+
     def _reserve_pages(self) -> int:
         """Pages kept back for the growth of running requests (not reserved in full)."""
         tokens = sum(self._growth(r) for r in self.running if not r.finished)
@@ -338,9 +342,9 @@ class Scheduler:
                 self._unadmit(req)
                 continue
             n = min(req.pending, budget)
-            own = self._growth(req) * self.new_token_ratio
+            own = self._growth_pages(req)
             chunk_pages = self.kv.pages_for(req, n)
-            need = chunk_pages + int(own) // self.page_size
+            need = chunk_pages + own
             # The growth estimate only holds back admission beside running requests: alone,
             # a request whose chunk fits must start (else the loop would spin forever).
             # (A chunk that cannot fit is not tried: allocate would evict the cache first.)
@@ -361,7 +365,7 @@ class Scheduler:
             admitted.setdefault(_lead(req), []).append(req)
             rows.append(_Row(req, n, n == req.pending))
             budget -= n
-            reserve += int(own) // self.page_size
+            reserve += own
         return rows
 
     def _waiting_in_policy_order(self) -> list[Req]:
@@ -433,13 +437,9 @@ class Scheduler:
         reserved for running requests)."""
         if not self.kv.free_rows:
             return False
-        cached = 0
-        if self.kv.reuse and req.params.prompt_logprobs is None:
-            prefix = req.token_slice(0, req.num_tokens - 1)
-            cached = self.kv.cache.match_prefix(prefix, count=False).length
+        cached = self.kv.cached_prefix(req, count=False).length
         n = min(req.num_tokens - cached, self.engine.chunked_prefill_size)
-        own = int(self._growth(req) * self.new_token_ratio) // self.page_size
-        need = -(-n // self.page_size) + own
+        need = -(-n // self.page_size) + self._growth_pages(req)
         return need <= self.kv.available_pages - (self._reserve_pages() if self.running else 0)
 
     def _restore_penalties(self, req: Req) -> None:
