@@ -15,8 +15,8 @@ accumulator is reduced over K once, at the end (as in kernels/gemv.py).
 Each weight is dequantized exactly as the GEMM does it, ((code - zero) in float32 * scale)
 rounded to x's dtype, so both kernels multiply by the same weights; only the summation
 order differs. Scales and zeros are read once per group where the tiles allow (group size
-a multiple or a divisor of BLOCK_K: the tile is cut into sub-tiles of one group each; one
-group over all of K: read once per program), otherwise per word (a group size that neither
+a multiple of BLOCK_K, or a divisor of it: the K step shortens to one group; one group
+over all of K: read once per program), otherwise per word (a group size that neither
 divides nor is divided by BLOCK_K, e.g. 200; all of a word's 8 inputs share a group, as
 group sizes are multiples of 8).
 
@@ -40,61 +40,53 @@ MAX_ROWS = 4
 
 # How a tile finds its scales and zeros (constexpr MODE of the kernel).
 ONE_GROUP = 0  # one group over all of K: loaded once per program
-PER_SUBTILE = 1  # each SUB_K-input sub-tile lies in one group: loaded once per sub-tile
+PER_TILE = 1  # each BLOCK_K tile lies in one group: loaded once per tile
 PER_WORD = 2  # gathered per word (all 8 inputs of a word share a group)
 
 
 @triton.jit
-def _int4_subtiles(
-    acc, first_words, x_rows, qw_ptr, s_ptr, z_ptr, s_one, z_one, k0, k_dim, n_cols,
-    offs_n, n_mask, m_mask,
-    GROUP: tl.constexpr, MODE: tl.constexpr, SUB_K: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_FIRST: tl.constexpr,
+def _int4_tile(
+    acc, words, x_rows, s_ptr, z_ptr, s_one, z_one, k0, k_dim, n_cols, offs_n, n_mask, m_mask,
+    GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """acc += the products of the BLOCK_K inputs from k0, one SUB_K sub-tile at a time
-    (unrolled, so the sub-tiles' loads are in flight together). ``first_words``: the first
-    sub-tile's words, already loaded (HAS_FIRST; see the kernel)."""
+    """acc += the products of the BLOCK_K inputs from k0, whose words are loaded."""
     dtype = x_rows.dtype.element_ty
-    words_k = k_dim // 8
-    for s in tl.static_range(BLOCK_K // SUB_K):
-        ks = k0 + s * SUB_K
-        kw = ks // 8 + tl.arange(0, SUB_K // 8)  # word rows of this sub-tile
-        kw_mask = kw < words_k
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word rows of this tile
+    kw_mask = kw < k_dim // 8
+    if MODE == 0:  # ONE_GROUP
+        scale = s_one[None, :]
+        zero = z_one[None, :]
+    elif MODE == 1:  # PER_TILE
+        g_mask = n_mask & (k0 + tl.zeros_like(offs_n) < k_dim)  # a [BLOCK_N] mask
+        grp = tl.cast(k0 // GROUP, tl.int64) * n_cols + offs_n
+        scale = tl.load(s_ptr + grp, mask=g_mask, other=0.0)[None, :]
+        zero = tl.load(z_ptr + grp, mask=g_mask, other=0).to(tl.int32)[None, :]
+    else:  # PER_WORD
         w_mask = kw_mask[:, None] & n_mask[None, :]
-        w_ptrs = qw_ptr + kw.to(tl.int64)[:, None] * n_cols + offs_n[None, :]
-        if HAS_FIRST:
-            if s == 0:
-                words = first_words
-            else:
-                words = tl.load(w_ptrs, mask=w_mask, other=0)
-        else:
-            words = tl.load(w_ptrs, mask=w_mask, other=0)
-        if MODE == 0:  # ONE_GROUP
-            scale = s_one[None, :]
-            zero = z_one[None, :]
-        elif MODE == 1:  # PER_SUBTILE
-            g_mask = n_mask & (ks + tl.zeros_like(offs_n) < k_dim)  # a [BLOCK_N] mask
-            grp = (ks // GROUP).to(tl.int64) * n_cols + offs_n
-            scale = tl.load(s_ptr + grp, mask=g_mask, other=0.0)[None, :]
-            zero = tl.load(z_ptr + grp, mask=g_mask, other=0).to(tl.int32)[None, :]
-        else:  # PER_WORD
-            grp = (kw * 8 // GROUP).to(tl.int64)[:, None] * n_cols + offs_n[None, :]
-            scale = tl.load(s_ptr + grp, mask=w_mask, other=0.0)
-            zero = tl.load(z_ptr + grp, mask=w_mask, other=0).to(tl.int32)
-        x_mask = m_mask[:, None] & kw_mask[None, :]
-        for j in tl.static_range(8):
-            codes = (words >> (4 * j)) & 0xF
-            # The GEMM's dequantization, operation for operation (identical weights).
-            w = ((codes - zero).to(tl.float32) * scale).to(dtype).to(tl.float32)
-            x = tl.load(x_rows[:, None] + (kw * 8 + j)[None, :], mask=x_mask, other=0.0)
-            acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
+        grp = (kw * 8 // GROUP).to(tl.int64)[:, None] * n_cols + offs_n[None, :]
+        scale = tl.load(s_ptr + grp, mask=w_mask, other=0.0)
+        zero = tl.load(z_ptr + grp, mask=w_mask, other=0).to(tl.int32)
+    x_mask = m_mask[:, None] & kw_mask[None, :]
+    for j in tl.static_range(8):
+        codes = (words >> (4 * j)) & 0xF
+        # The GEMM's dequantization, operation for operation (identical weights).
+        w = ((codes - zero).to(tl.float32) * scale).to(dtype).to(tl.float32)
+        x = tl.load(x_rows[:, None] + (kw * 8 + j)[None, :], mask=x_mask, other=0.0)
+        acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
     return acc
+
+
+@triton.jit
+def _load_words(qw_ptr, k0, k_dim, n_cols, offs_n, n_mask, BLOCK_K: tl.constexpr):
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = (kw < k_dim // 8)[:, None] & n_mask[None, :]
+    return tl.load(qw_ptr + kw.to(tl.int64)[:, None] * n_cols + offs_n[None, :], mask=mask, other=0)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _int4_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om,
-    GROUP: tl.constexpr, MODE: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -102,14 +94,10 @@ def _int4_gemv_kernel(
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < rows
     n_mask = offs_n < n_cols
-    # No kernel writes the weights, scales or zeros: the first sub-tile's words (and a
-    # single group's scales and zeros) are requested before waiting for the previous kernel
+    # No kernel writes the weights, scales or zeros: the first tile's words (and a single
+    # group's scales and zeros) are requested before waiting for the previous kernel
     # (programmatic dependent launch), so their latency overlaps its tail, as in gemv.py.
-    kw0 = tl.arange(0, SUB_K // 8)
-    w_mask0 = (kw0 < k_dim // 8)[:, None] & n_mask[None, :]
-    first_words = tl.load(
-        qw_ptr + kw0.to(tl.int64)[:, None] * n_cols + offs_n[None, :], mask=w_mask0, other=0
-    )
+    first_words = _load_words(qw_ptr, 0, k_dim, n_cols, offs_n, n_mask, BLOCK_K)
     if MODE == 0:
         s_one = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
         z_one = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
@@ -118,15 +106,16 @@ def _int4_gemv_kernel(
         z_one = tl.zeros([BLOCK_N], tl.int32)
     pdl_wait(PDL)
     x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, SUB_K // 8, BLOCK_N], tl.float32)
-    acc = _int4_subtiles(
-        acc, first_words, x_rows, qw_ptr, s_ptr, z_ptr, s_one, z_one, 0, k_dim, n_cols,
-        offs_n, n_mask, m_mask, GROUP, MODE, SUB_K, BLOCK_K, True,
+    acc = tl.zeros([BLOCK_M, BLOCK_K // 8, BLOCK_N], tl.float32)
+    acc = _int4_tile(
+        acc, first_words, x_rows, s_ptr, z_ptr, s_one, z_one, 0, k_dim, n_cols, offs_n,
+        n_mask, m_mask, GROUP, MODE, BLOCK_K,
     )  # fmt: skip
     for k0 in range(BLOCK_K, k_dim, BLOCK_K):
-        acc = _int4_subtiles(
-            acc, first_words, x_rows, qw_ptr, s_ptr, z_ptr, s_one, z_one, k0, k_dim, n_cols,
-            offs_n, n_mask, m_mask, GROUP, MODE, SUB_K, BLOCK_K, False,
+        words = _load_words(qw_ptr, k0, k_dim, n_cols, offs_n, n_mask, BLOCK_K)
+        acc = _int4_tile(
+            acc, words, x_rows, s_ptr, z_ptr, s_one, z_one, k0, k_dim, n_cols, offs_n,
+            n_mask, m_mask, GROUP, MODE, BLOCK_K,
         )  # fmt: skip
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
@@ -164,13 +153,16 @@ def int4_gemv_tiles(rows: int, n_cols: int = 0, k_dim: int = 0) -> Tiles:
 
 
 def scale_mode(group: int, k_dim: int, block_k: int) -> tuple[int, int]:
-    """(MODE, SUB_K): how the kernel reads scales and zeros for this group size and K tile."""
+    """(MODE, K step): how the kernel reads scales and zeros for this group size and K tile.
+    A group smaller than the tile that divides it (32 inputs or more) shortens the step to
+    one group; unrolling sub-tiles of one group each instead took ptxas minutes (8+ of them).
+    """
     if group >= k_dim:
         return ONE_GROUP, block_k
     if group % block_k == 0:
-        return PER_SUBTILE, block_k  # a tile lies in one group
+        return PER_TILE, block_k  # a tile lies in one group
     if block_k % group == 0 and group >= 32:
-        return PER_SUBTILE, group  # sub-tiles of one group each (4+ words a column)
+        return PER_TILE, group  # a step of one group (4+ words a column)
     return PER_WORD, block_k
 
 
@@ -194,11 +186,11 @@ def int4_gemv(
         return out
     block_m, block_n, block_k, warps, stages = tiles or int4_gemv_tiles(rows, n_cols, k_dim)
     assert block_m >= rows and block_k >= 8, (tiles, rows)
-    mode, sub_k = scale_mode(group, k_dim, block_k)
+    mode, block_k = scale_mode(group, k_dim, block_k)
     _int4_gemv_kernel[(cdiv(n_cols, block_n),)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         rows, n_cols, k_dim, x.stride(0), out.stride(0),
-        GROUP=group, MODE=mode, SUB_K=sub_k, HAS_BIAS=bias is not None,
+        GROUP=group, MODE=mode, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         **pdl_args(),
     )  # fmt: skip

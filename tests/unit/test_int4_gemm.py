@@ -141,12 +141,12 @@ def check_int4_gemv_rows_1_to_4(device: torch.device) -> None:
 def check_int4_gemv_group_sizes(device: torch.device) -> None:
     """Each way of reading scales and zeros (kernels/int4_gemv.py scale_mode) with the
     default 512-input K tile, odd N and K off the tile: group 8 (per word), 32 and 128
-    (sub-tiles of one group), 1024 (one group per tile), K itself (-1: one group), 24 (per
+    (a K step of one group), 1024 (one group per tile), K itself (-1: one group), 24 (per
     word: neither divides the other)."""
     from minisgl.kernels import int4_gemv as m
 
-    cases = [(8, 1040, m.PER_WORD), (32, 544, m.PER_SUBTILE), (128, 640, m.PER_SUBTILE),
-             (1024, 2048, m.PER_SUBTILE), (200, 200, m.ONE_GROUP), (1032, 1032, m.ONE_GROUP),
+    cases = [(8, 1040, m.PER_WORD), (32, 544, m.PER_TILE), (128, 640, m.PER_TILE),
+             (1024, 2048, m.PER_TILE), (200, 200, m.ONE_GROUP), (1032, 1032, m.ONE_GROUP),
              (24, 120, m.PER_WORD)]  # fmt: skip
     for i, (group, k, mode) in enumerate(cases):
         assert m.scale_mode(group, k, 512)[0] == mode, (group, k)
