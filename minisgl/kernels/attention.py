@@ -20,17 +20,36 @@ _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _tile_slots(pt_row_ptr, pos, n_mask, MASK_N: tl.constexpr):
+    """The KV pool slots of one tile's tokens, from the request's page-table row."""
+    if MASK_N:
+        return tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+    return tl.load(pt_row_ptr + pos).to(tl.int64)
+
+
+@triton.jit
 def _load_kv(
     k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
     offs_d, d_mask, dtype: tl.constexpr, MASK_N: tl.constexpr,
 ):  # fmt: skip
     """Gather one tile of K and V through the page table (one slot index per token), as
     ``dtype`` (q's: an fp8 pool, --kv-cache-dtype, is upcast here; its scale is 1.0)."""
+    slots = _tile_slots(pt_row_ptr, pos, n_mask, MASK_N)
+    return _load_kv_at(
+        k_cache_ptr, v_cache_ptr, slots, n_mask, kv_head, stride_cs, stride_ch, offs_d, d_mask,
+        dtype, MASK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _load_kv_at(
+    k_cache_ptr, v_cache_ptr, slots, n_mask, kv_head, stride_cs, stride_ch, offs_d, d_mask,
+    dtype: tl.constexpr, MASK_N: tl.constexpr,
+):  # fmt: skip
+    """_load_kv with the tile's slots already read."""
     if MASK_N:
-        slots = tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
         mask = n_mask[:, None] & d_mask[None, :]
     else:
-        slots = tl.load(pt_row_ptr + pos).to(tl.int64)
         mask = d_mask[None, :]
     off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
     k = tl.load(k_cache_ptr + off, mask=mask, other=0.0).to(dtype)
@@ -65,12 +84,14 @@ def _decode_split_kernel(
     GATHER: tl.constexpr, DIRECT: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
     # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # The step's metadata (split counts, lengths, rows, the page table) is written by the host
+    # before the step, never by a kernel: it is read before the PDL wait (kernels/pdl.py), so
+    # its chain of dependent loads overlaps the previous kernel instead of following it.
     n_splits = tl.load(num_splits_ptr + b)
     if split >= n_splits:
         return  # also every program of a padding row (0 splits)
@@ -83,10 +104,14 @@ def _decode_split_kernel(
     end = tl.minimum(start + chunk, seq_len)
     row = tl.load(row_ids_ptr + b).to(tl.int64)
     pt_row_ptr = page_table_ptr + row * stride_pt
+    offs_n = tl.arange(0, BLOCK_N)
+    first_pos = start + offs_n
+    first_mask = first_pos < end
+    first_slots = _tile_slots(pt_row_ptr, first_pos, first_mask, True)
+    pdl_wait(PDL)  # q and the K/V cache: the kernels before this one write them
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
@@ -98,7 +123,16 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    # The first tile (at batch 1 often a chunk's only one) is peeled off the loop, its slots
+    # read before the wait; the same arithmetic as the loop's (an empty chunk: all masked).
+    k, v = _load_kv_at(
+        k_cache_ptr, v_cache_ptr, first_slots, first_mask, kv_head, stride_cs, stride_ch,
+        offs_d, d_mask, q.dtype, True,
+    )  # fmt: skip
+    m_i, l_i, acc = _softmax_step(
+        q, k, v, first_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
+    )
+    for n0 in range(start + BLOCK_N, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         k, v = _load_kv(
@@ -129,13 +163,13 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    n_splits = tl.load(num_splits_ptr + b)
+    n_splits = tl.load(num_splits_ptr + b)  # host-written metadata: before the wait
     if n_splits == 0:
         return  # a padding row
     tok = tl.load(q_index_ptr + b).to(tl.int64) if GATHER else b.to(tl.int64)
+    pdl_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < n_splits

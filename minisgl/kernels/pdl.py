@@ -5,11 +5,15 @@ Qwen3-8B is ~340 small kernels, and the gaps between them add up.
 
 Safety: a kernel launched this way must not touch global memory that an earlier kernel
 writes or reads before ``griddepcontrol.wait`` returns (that wait blocks until the previous
-grid has finished and its writes are visible). Every kernel here therefore calls `pdl_wait`
-first, before any load or store: fresh outputs from PyTorch's caching allocator may be memory
-that the previous kernel is still reading. Kernels without the launch attribute (cuBLAS,
-PyTorch's own) keep full stream order. Only the launch overlaps, never the arithmetic, so
-results are bit-identical with PDL on or off. MINISGL_PDL=0 turns it off.
+grid has finished and its writes are visible). Every kernel here therefore stores nothing
+before `pdl_wait` (fresh outputs from PyTorch's caching allocator may be memory that the
+previous kernel is still reading), and loads before it only what no kernel of the step
+writes: weights, and the step's metadata that the host fills before the step (positions,
+slots, lengths, split counts, the page table). Those loads, and the chains of loads that
+depend on them, then overlap the previous kernel's tail (gemv.py, attention.py's decode,
+qk_rope_store.py). Kernels without the launch attribute (cuBLAS, PyTorch's own) keep full
+stream order. Only the launch and those reads overlap, never the arithmetic, so results are
+bit-identical with PDL on or off. MINISGL_PDL=0 turns it off.
 """
 
 from __future__ import annotations

@@ -87,11 +87,12 @@ def _qk_norm_rope_store_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     # Program (token, chunk): chunks [0, Q_CHUNKS) are BLOCK_M q heads each, the rest k and
     # v heads, so even a one-token decode step spreads over a few programs.
     tok = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
+    # Positions, slots and the cos/sin cache are host-written or constant, never written by a
+    # kernel of the step: read before the PDL wait (kernels/pdl.py), only q/k/v after it.
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HALF
@@ -101,6 +102,8 @@ def _qk_norm_rope_store_kernel(
     c1, c2, s1, s2 = load_cos_sin(
         cos_ptr, sin_ptr, pos, stride_cos, stride_sin, offs_d, d_mask, HALF, dtype
     )  # as apply_rope reads them
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    pdl_wait(PDL)
     if chunk < Q_CHUNKS:
         _norm_rope_heads(
             q_ptr + tok * stride_qt, stride_qh, q_out_ptr + tok * stride_qot, stride_qoh, qw_ptr,
@@ -109,7 +112,6 @@ def _qk_norm_rope_store_kernel(
         )  # fmt: skip
     else:
         h0 = (chunk - Q_CHUNKS) * BLOCK_M
-        slot = tl.load(slots_ptr + tok).to(tl.int64)
         k_dst = k_cache_ptr + slot * stride_cache_slot
         _norm_rope_heads(
             k_ptr + tok * stride_kt, stride_kh, k_dst, stride_cache_h, kw_ptr,
