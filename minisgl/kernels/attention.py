@@ -105,9 +105,14 @@ def _decode_split_kernel(
     row = tl.load(row_ids_ptr + b).to(tl.int64)
     pt_row_ptr = page_table_ptr + row * stride_pt
     offs_n = tl.arange(0, BLOCK_N)
-    first_pos = start + offs_n
-    first_mask = first_pos < end
-    first_slots = _tile_slots(pt_row_ptr, first_pos, first_mask, True)
+    # Split rows (small batches: a chunk is often one tile) also read the first tile's slots
+    # before the wait. Unsplit ones (big batches, many tiles a program) keep every tile in
+    # the loop: peeling one there made the offline workload ~3% slower (RESULTS.md).
+    PEEL: tl.constexpr = not DIRECT
+    if PEEL:
+        first_pos = start + offs_n
+        first_mask = first_pos < end
+        first_slots = _tile_slots(pt_row_ptr, first_pos, first_mask, True)
     pdl_wait(PDL)  # q and the K/V cache: the kernels before this one write them
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -123,16 +128,19 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # The first tile (at batch 1 often a chunk's only one) is peeled off the loop, its slots
-    # read before the wait; the same arithmetic as the loop's (an empty chunk: all masked).
-    k, v = _load_kv_at(
-        k_cache_ptr, v_cache_ptr, first_slots, first_mask, kv_head, stride_cs, stride_ch,
-        offs_d, d_mask, q.dtype, True,
-    )  # fmt: skip
-    m_i, l_i, acc = _softmax_step(
-        q, k, v, first_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
-    )
-    for n0 in range(start + BLOCK_N, end, BLOCK_N):
+    loop_start = start
+    if PEEL:
+        # The first tile, peeled off the loop: the same arithmetic as the loop's (an empty
+        # chunk: all masked, as no iteration).
+        k, v = _load_kv_at(
+            k_cache_ptr, v_cache_ptr, first_slots, first_mask, kv_head, stride_cs, stride_ch,
+            offs_d, d_mask, q.dtype, True,
+        )  # fmt: skip
+        m_i, l_i, acc = _softmax_step(
+            q, k, v, first_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
+        )
+        loop_start = start + BLOCK_N
+    for n0 in range(loop_start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
         k, v = _load_kv(
