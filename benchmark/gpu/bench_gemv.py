@@ -21,9 +21,8 @@ is written under the unfused key (its tiles serve both, as models/decoder.py use
 
 --int4 [--int4-sweep]: 4-bit weights (group 128, the layout of kernels/int4_gemm.py) at the
 8B shapes (or --shapes), cold: the int4 GEMV (kernels/int4_gemv.py, default tiles) against
-the int4 GEMM and bf16 cuBLAS, in CUDA graphs, both GEMV kernels (v2, the default, and v1,
-MINISGL_INT4_GEMV_KERNEL=v1) at their default tiles; --int4-sweep also times a grid of v2
-tiles (about 20 a row count) and prints the best 4 (the input for int4_gemv_tiles).
+the int4 GEMM and bf16 cuBLAS, in CUDA graphs, the GEMV at its default tiles; --int4-sweep
+also times a grid of GEMV tiles (about 20 a row count) and prints the best 4 (the input for int4_gemv_tiles).
 """
 
 from __future__ import annotations
@@ -123,9 +122,8 @@ def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: b
             x = torch.randn(rows, k, device="cuda", dtype=bf)
             q0 = qs[0]
             ref = int4_gemm(x, *q0, INT4_GROUP)
-            for kern in ("v2", "v1"):
-                got = int4_gemv(x, *q0, INT4_GROUP, None, None, kern)
-                torch.testing.assert_close(got, ref, atol=5e-2, rtol=2e-2)
+            got = int4_gemv(x, *q0, INT4_GROUP)
+            torch.testing.assert_close(got, ref, atol=5e-2, rtol=2e-2)
 
             def gemm(q: tuple, x: torch.Tensor = x) -> object:
                 return int4_gemm(x, *q, INT4_GROUP)
@@ -135,37 +133,34 @@ def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: b
 
             t_gemm = graph_time_us(rotating(gemm, qs)) / len(qs)  # type: ignore[arg-type]
             t_cublas = graph_time_us(rotating(cublas, ws)) / len(ws)
-            # The default tiles of each kernel (v2, then v1: MINISGL_INT4_GEMV_KERNEL).
-            configs = [(kern, int4_gemv_tiles(rows, n, k, kern)) for kern in ("v2", "v1")]
-            if sweep:  # v2 tiles: 4-32 words a thread, BLOCK_K <= 128 x warps (int4_gemv)
-                bm = configs[0][1][0]
+            configs = [int4_gemv_tiles(rows, n, k)]  # the default first
+            if sweep:  # tiles of 4-32 words a thread, BLOCK_K <= 128 x warps (int4_gemv)
+                bm = configs[0][0]
                 configs += [
-                    ("v2", (bm, bn, bk, wp, 1))
+                    (bm, bn, bk, wp, 1)
                     for bn, bk, wp in itertools.product(
                         (16, 32, 64, 128), (128, 256, 512, 1024), (2, 4, 8)
                     )
                     if bk <= 128 * wp and 4 <= bk // 8 * bn // (32 * wp) <= (32 // bm or 8)
                 ]
             results = []
-            for kern, cfg in dict.fromkeys(configs):
+            for cfg in dict.fromkeys(configs):
 
-                def ours(q: tuple, c: tuple = cfg, x: torch.Tensor = x, v: str = kern) -> object:
-                    return int4_gemv(x, *q, INT4_GROUP, None, c, v)
+                def ours(q: tuple, c: tuple = cfg, x: torch.Tensor = x) -> object:
+                    return int4_gemv(x, *q, INT4_GROUP, None, c)
 
                 try:
                     t = graph_time_us(rotating(ours, qs)) / len(qs)  # type: ignore[arg-type]
                 except Exception as e:  # out of registers or shared memory for this tile
-                    print(f"  {name} {kern} {cfg}: {type(e).__name__}")
+                    print(f"  {name} {cfg}: {type(e).__name__}")
                     continue
-                results.append((t, kern, cfg))
-            t_v2, t_v1 = (next(t for t, kn, _ in results if kn == v) for v in ("v2", "v1"))
-            results.sort()
-            best = [(t, c) for t, kn, c in results if kn == "v2"][:4]
-            top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in best)
+                results.append((t, cfg))
+            t_def = results[0][0]
+            top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in sorted(results)[:4])
             print(
                 f"{name:13s} M={rows}: bf16 cuBLAS {t_cublas:6.1f} us | int4 GEMM {t_gemm:6.1f}"
-                f" | GEMV v1 {t_v1:6.1f} | v2 default {t_v2:6.1f} ({gb4 / t_v2 * 1e3:.2f} TB/s)"
-                + (f" | best v2 {top}" if sweep else ""),
+                f" | GEMV default {t_def:6.1f} ({gb4 / t_def * 1e3:.2f} TB/s)"
+                + (f" | best {top}" if sweep else ""),
                 flush=True,
             )
 

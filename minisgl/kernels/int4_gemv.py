@@ -9,16 +9,16 @@ Each program owns BLOCK_N output columns for every row and streams their words o
 K, BLOCK_K inputs (BLOCK_K/8 words per column, coalesced along N) per step, accumulating
 elementwise in float32 and reducing over K once, at the end (as in kernels/gemv.py).
 
-Why this design (v2; the first version, v1 below, ran 2-3x slower than bf16 cuBLAS on the
-H200 although it reads 4x fewer bytes):
-- Bytes in flight. v1 shortened its K step to one group (128 inputs: a 1 KB tile of words
-  for 16 columns) and waited for each tile before requesting the next, so it paid one
-  memory latency (~1 us) per 128 inputs (36 us for 4096 inputs). v2 keeps whole groups in
+Why this design (the first version ran 2-3x slower than bf16 cuBLAS on the H200, although
+it reads 4x fewer bytes; this one is 1.8-2.4x faster than it, benchmark/RESULTS.md):
+- Bytes in flight. The first version shortened its K step to one group (128 inputs: a 1 KB
+  tile of words for 16 columns) and waited for each tile before requesting the next, so it
+  paid one memory latency (~1 us) per 128 inputs (36 us for 4096 inputs). This one keeps whole groups in
   a step (a tile is [words of a group, groups, columns]: scales broadcast along the first
   axis, no gather), 512-1024 inputs per step, and requests the next step's words before
   computing on the current ones (two tiles in flight per program).
-- Instructions per weight. One accumulator per row in the words' own layout (v1's
-  [rows, K/8, N] accumulator made Triton convert layouts); the nibble becomes
+- Instructions per weight. One accumulator per row in the words' own layout (the first
+  version's [rows, K/8, N] accumulator made Triton convert layouts); the nibble becomes
   (code - zero) in float32 with no int-to-float conversion ((code | 0x4B000000) is the float
   2^23 + code, and 2^23 + zero is computed once per group), and on the GPU the rounding to
   bf16/fp16 takes one packed cvt.rn.{bf16,f16}x2.f32 per two weights (inline PTX; Triton's
@@ -30,9 +30,8 @@ Scales and zeros: a step of whole groups (group divides BLOCK_K) reads each grou
 step; a step inside one group (BLOCK_K divides the group) once per step; one group over all
 of K once per program; any other group size (e.g. 24) per word.
 
-UNMEASURED on the GPU (v2): benchmark/gpu/bench_gemv.py --int4 [--int4-sweep] times it
-against v1 (MINISGL_INT4_GEMV_KERNEL=v1 makes every launch use v1), the int4 GEMM and bf16
-cuBLAS.
+Tiles are untuned: benchmark/gpu/bench_gemv.py --int4 [--int4-sweep] times them against the
+int4 GEMM and bf16 cuBLAS.
 """
 
 from __future__ import annotations
@@ -53,11 +52,11 @@ MAX_ROWS = 4
 ONE_GROUP = 0  # one group over all of K: loaded once per program
 PER_TILE = 1  # each BLOCK_K tile lies in one group: loaded once per tile
 PER_WORD = 2  # gathered per word (all 8 inputs of a word share a group)
-PER_GROUP = 3  # v2: a tile of whole groups (the group divides BLOCK_K): once per group
+PER_GROUP = 3  # a tile of whole groups (the group divides BLOCK_K): once per group
 
 
 @triton.jit
-def _v2_words(qw_ptr, k0, k_dim, n_cols, offs_n, n_mask, GPT: tl.constexpr, WPG: tl.constexpr):
+def _step_words(qw_ptr, k0, k_dim, n_cols, offs_n, n_mask, GPT: tl.constexpr, WPG: tl.constexpr):
     """The words of the step from input k0: [WPG, GPT, BLOCK_N], word row k0/8 + g*WPG + w."""
     kw = k0 // 8 + tl.arange(0, WPG)[:, None] + tl.arange(0, GPT)[None, :] * WPG
     mask = (kw < k_dim // 8)[:, :, None] & n_mask[None, None, :]
@@ -86,7 +85,7 @@ def _round_weight(w, dtype: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _v2_tile(
+def _step_products(
     acc0, acc1, acc2, acc3, words, x_ptr, stride_xm, rows, s_ptr, z_ptr, s_one, zc_one,
     k0, k_dim, n_cols, offs_n, n_mask,
     GROUP: tl.constexpr, MODE: tl.constexpr, GPT: tl.constexpr, WPG: tl.constexpr,
@@ -138,7 +137,7 @@ def _v2_tile(
 
 
 @triton.jit
-def _v2_store(
+def _store_row(
     acc, r: tl.constexpr, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS: tl.constexpr
 ):
     y = tl.sum(tl.sum(acc, axis=1), axis=0)
@@ -165,7 +164,7 @@ def _int4_gemv_kernel(
     # No kernel writes the weights, scales or zeros: the first step's words (and a single
     # group's scales and zeros) are requested before waiting for the previous kernel
     # (programmatic dependent launch), so their latency overlaps its tail, as in gemv.py.
-    words = _v2_words(qw_ptr, 0, k_dim, n_cols, offs_n, n_mask, GPT, WPG)
+    words = _step_words(qw_ptr, 0, k_dim, n_cols, offs_n, n_mask, GPT, WPG)
     if MODE == 0:
         s_one = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
         z_one = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)[None, :]
@@ -180,103 +179,18 @@ def _int4_gemv_kernel(
     acc3 = tl.zeros([WPG, GPT, BLOCK_N], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         # The next step's words first: two steps' words in flight while this one computes.
-        nxt = _v2_words(qw_ptr, k0 + BLOCK_K, k_dim, n_cols, offs_n, n_mask, GPT, WPG)
-        acc0, acc1, acc2, acc3 = _v2_tile(
+        nxt = _step_words(qw_ptr, k0 + BLOCK_K, k_dim, n_cols, offs_n, n_mask, GPT, WPG)
+        acc0, acc1, acc2, acc3 = _step_products(
             acc0, acc1, acc2, acc3, words, x_ptr, stride_xm, rows, s_ptr, z_ptr, s_one,
             zc_one, k0, k_dim, n_cols, offs_n, n_mask, GROUP, MODE, GPT, WPG, BLOCK_M, ASM,
         )  # fmt: skip
         words = nxt
-    _v2_store(acc0, 0, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
+    _store_row(acc0, 0, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
     if BLOCK_M > 1:
-        _v2_store(acc1, 1, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
+        _store_row(acc1, 1, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
     if BLOCK_M > 2:
-        _v2_store(acc2, 2, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
-        _v2_store(acc3, 3, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
-
-
-# ------------------------------------------------------------------------ v1 (previous)
-# Kept for A/B timing (MINISGL_INT4_GEMV_KERNEL=v1): a K step of one group at most, x read
-# per nibble, a [rows, BLOCK_K/8, BLOCK_N] accumulator.
-
-
-@triton.jit
-def _v1_tile(
-    acc, words, x_rows, s_ptr, z_ptr, s_one, z_one, k0, k_dim, n_cols, offs_n, n_mask, m_mask,
-    GROUP: tl.constexpr, MODE: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """acc += the products of the BLOCK_K inputs from k0, whose words are loaded."""
-    dtype = x_rows.dtype.element_ty
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # word rows of this tile
-    kw_mask = kw < k_dim // 8
-    if MODE == 0:  # ONE_GROUP
-        scale = s_one[None, :]
-        zero = z_one[None, :]
-    elif MODE == 1:  # PER_TILE
-        g_mask = n_mask & (k0 + tl.zeros_like(offs_n) < k_dim)  # a [BLOCK_N] mask
-        grp = tl.cast(k0 // GROUP, tl.int64) * n_cols + offs_n
-        scale = tl.load(s_ptr + grp, mask=g_mask, other=0.0)[None, :]
-        zero = tl.load(z_ptr + grp, mask=g_mask, other=0).to(tl.int32)[None, :]
-    else:  # PER_WORD
-        w_mask = kw_mask[:, None] & n_mask[None, :]
-        grp = (kw * 8 // GROUP).to(tl.int64)[:, None] * n_cols + offs_n[None, :]
-        scale = tl.load(s_ptr + grp, mask=w_mask, other=0.0)
-        zero = tl.load(z_ptr + grp, mask=w_mask, other=0).to(tl.int32)
-    x_mask = m_mask[:, None] & kw_mask[None, :]
-    for j in tl.static_range(8):
-        codes = (words >> (4 * j)) & 0xF
-        # The GEMM's dequantization, operation for operation (identical weights).
-        w = ((codes - zero).to(tl.float32) * scale).to(dtype).to(tl.float32)
-        x = tl.load(x_rows[:, None] + (kw * 8 + j)[None, :], mask=x_mask, other=0.0)
-        acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
-    return acc
-
-
-@triton.jit
-def _v1_words(qw_ptr, k0, k_dim, n_cols, offs_n, n_mask, BLOCK_K: tl.constexpr):
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = (kw < k_dim // 8)[:, None] & n_mask[None, :]
-    return tl.load(qw_ptr + kw.to(tl.int64)[:, None] * n_cols + offs_n[None, :], mask=mask, other=0)
-
-
-@triton.jit(do_not_specialize=["rows"])
-def _int4_gemv_v1_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om,
-    GROUP: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_mask = offs_m < rows
-    n_mask = offs_n < n_cols
-    # No kernel writes the weights, scales or zeros: the first tile's words (and a single
-    # group's scales and zeros) are requested before waiting for the previous kernel
-    # (programmatic dependent launch), so their latency overlaps its tail, as in gemv.py.
-    first_words = _v1_words(qw_ptr, 0, k_dim, n_cols, offs_n, n_mask, BLOCK_K)
-    if MODE == 0:
-        s_one = tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-        z_one = tl.load(z_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
-    else:
-        s_one = tl.zeros([BLOCK_N], tl.float32)
-        z_one = tl.zeros([BLOCK_N], tl.int32)
-    pdl_wait(PDL)
-    x_rows = x_ptr + offs_m.to(tl.int64) * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_K // 8, BLOCK_N], tl.float32)
-    acc = _v1_tile(
-        acc, first_words, x_rows, s_ptr, z_ptr, s_one, z_one, 0, k_dim, n_cols, offs_n,
-        n_mask, m_mask, GROUP, MODE, BLOCK_K,
-    )  # fmt: skip
-    for k0 in range(BLOCK_K, k_dim, BLOCK_K):
-        words = _v1_words(qw_ptr, k0, k_dim, n_cols, offs_n, n_mask, BLOCK_K)
-        acc = _v1_tile(
-            acc, words, x_rows, s_ptr, z_ptr, s_one, z_one, k0, k_dim, n_cols, offs_n,
-            n_mask, m_mask, GROUP, MODE, BLOCK_K,
-        )  # fmt: skip
-    y = tl.sum(acc, axis=1)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    dst = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        _store_row(acc2, 2, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
+        _store_row(acc3, 3, rows, b_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS)
 
 
 # Triton's interpreter has no inline PTX: it rounds with .to() (the same values).
@@ -296,40 +210,27 @@ def _env_tiles() -> tuple[int, int, int, int] | None:
 
 
 ENV_TILES = _env_tiles()
-# MINISGL_INT4_GEMV_KERNEL=v1: the previous kernel for every launch (A/B timing).
-KERNEL = os.environ.get("MINISGL_INT4_GEMV_KERNEL", "v2")
-assert KERNEL in ("v1", "v2"), KERNEL
 
 
-def int4_gemv_tiles(rows: int, n_cols: int = 0, k_dim: int = 0, kernel: str = "") -> Tiles:
-    """Default tiles, UNMEASURED (chosen by arithmetic, not on a GPU). v2: 512 inputs (64
-    words a column) per step, 4 warps, 32 columns for one row (an 8 KB tile of words, two in
-    flight per program, 16 words a thread; 128 registers in the sm_90 AOT compile), 16 for
-    2-4 rows (four accumulators). v1: 16 columns, 512 inputs (cut to one group), 4 warps.
-    The H200 sweep of bench_gemv.py --int4 replaces this (n_cols and k_dim are there for a
-    per-shape rule)."""
+def int4_gemv_tiles(rows: int, n_cols: int = 0, k_dim: int = 0) -> Tiles:
+    """Default tiles, UNMEASURED (chosen by arithmetic, not on a GPU): 512 inputs (64 words a
+    column) per step, 4 warps, 32 columns for one row (an 8 KB tile of words, two in flight
+    per program, 16 words a thread; 128 registers in the sm_90 AOT compile), 16 for 2-4 rows
+    (four accumulators). The H200 sweep of bench_gemv.py --int4 replaces this (n_cols and
+    k_dim are there for a per-shape rule)."""
     block_m = triton.next_power_of_2(max(rows, 1))
     if ENV_TILES is not None:
         return (block_m, *ENV_TILES)
-    if (kernel or KERNEL) == "v1":
-        return block_m, 16, 512, 4, 3
     return block_m, 32 if block_m == 1 else 16, 512, 4, 1
 
 
-def scale_mode(group: int, k_dim: int, block_k: int, kernel: str = "") -> tuple[int, int]:
-    """(MODE, K step): how a kernel reads scales and zeros for this group size and K tile.
-    v2 keeps the step and reads a step of whole groups once per group (PER_GROUP). v1
-    shortens the step to one group where the group divides it (32 inputs or more);
-    unrolling sub-tiles of one group each instead took ptxas minutes (8+ of them)."""
+def scale_mode(group: int, k_dim: int, block_k: int) -> int:
+    """How the kernel reads scales and zeros (its MODE) for this group size and K step."""
     if group >= k_dim:
-        return ONE_GROUP, block_k
+        return ONE_GROUP
     if group % block_k == 0:
-        return PER_TILE, block_k  # a tile lies in one group
-    if (kernel or KERNEL) == "v2":
-        return (PER_GROUP if block_k % group == 0 else PER_WORD), block_k
-    if block_k % group == 0 and group >= 32:
-        return PER_TILE, group  # a step of one group (4+ words a column)
-    return PER_WORD, block_k
+        return PER_TILE  # a step lies in one group
+    return PER_GROUP if block_k % group == 0 else PER_WORD
 
 
 def int4_gemv(
@@ -340,27 +241,23 @@ def int4_gemv(
     group: int,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
-    kernel: str = "",
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times the int4 weight -> [M, N] in x's dtype (+ bias [N]).
     ``tiles``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), BLOCK_M a power of two >= M,
-    BLOCK_N and BLOCK_K powers of two, BLOCK_K >= 8; default int4_gemv_tiles. ``kernel``:
-    "v1" or "v2" (default MINISGL_INT4_GEMV_KERNEL, else v2)."""
+    BLOCK_N and BLOCK_K powers of two, BLOCK_K >= 8; default int4_gemv_tiles."""
     assert x.shape[0] <= MAX_ROWS, x.shape
-    kernel = kernel or KERNEL
     x, out = prepare(x, qweight, scales, zeros, group)
     rows, k_dim = x.shape
     n_cols = out.shape[1]
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps, stages = tiles or int4_gemv_tiles(rows, n_cols, k_dim, kernel)
+    block_m, block_n, block_k, warps, stages = tiles or int4_gemv_tiles(rows, n_cols, k_dim)
     assert block_m >= rows and block_k >= 8, (tiles, rows)
-    if kernel == "v2":
-        # No step longer than K, nor of 32+ words a column per thread: Triton gives a load of
-        # as many elements as threads (x's [BLOCK_K/8] per nibble) a layout of its own, and
-        # converting it to the words' layout would cost a shared-memory round trip per nibble.
-        block_k = max(8, min(block_k, triton.next_power_of_2(k_dim), 128 * warps))
-    mode, block_k = scale_mode(group, k_dim, block_k, kernel)
+    # No step longer than K, nor of 32+ words a column per thread: Triton gives a load of as
+    # many elements as threads (x's [BLOCK_K/8] per nibble) a layout of its own, and
+    # converting it to the words' layout would cost a shared-memory round trip per nibble.
+    block_k = max(8, min(block_k, triton.next_power_of_2(k_dim), 128 * warps))
+    mode = scale_mode(group, k_dim, block_k)
     args = (
         x, qweight, scales, zeros, bias if bias is not None else scales, out,
         rows, n_cols, k_dim, x.stride(0), out.stride(0),
@@ -370,9 +267,5 @@ def int4_gemv(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
         **pdl_args(),
     )  # fmt: skip
-    grid = (cdiv(n_cols, block_n),)
-    if kernel == "v1":
-        _int4_gemv_v1_kernel[grid](*args, **meta)
-    else:
-        _int4_gemv_kernel[grid](*args, **meta, ASM=not _INTERPRETED)
+    _int4_gemv_kernel[(cdiv(n_cols, block_n),)](*args, **meta, ASM=not _INTERPRETED)
     return out

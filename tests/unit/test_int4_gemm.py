@@ -1,8 +1,9 @@
 """The int4 GEMM Triton kernel (kernels/int4_gemm.py) against a plain torch dequantize-then-
 matmul: 1-16 rows and prefill-sized ones, several group sizes, odd N, bias, fp32/bf16/fp16;
 and the batch-1 int4 GEMV (kernels/int4_gemv.py, 1-4 rows) against the same reference and
-against the GEMM, in each of its ways of reading scales and zeros. Run under Triton's interpreter on CPU (one child process, see tests/kernel_checks.py) and
-natively on CUDA under the ``gpu`` marker."""
+against the GEMM, in each of its ways of reading scales and zeros. Run under Triton's
+interpreter on CPU (one child process, see tests/kernel_checks.py) and natively on CUDA under
+the ``gpu`` marker."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def _tolerance(dtype: torch.dtype, ref: torch.Tensor) -> float:
 
 def _gemv_case(
     rows: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, dev: torch.device,
-    tiles: tuple[int, int, int, int, int] | None = None, stride: int = 0, kernel: str = "",
+    tiles: tuple[int, int, int, int, int] | None = None, stride: int = 0,
 ) -> None:  # fmt: skip
     """The GEMV against float64 products of the weights rounded to ``dtype`` (as both
     kernels round them), and against the GEMM on the same inputs. ``stride``: x's rows are
@@ -125,7 +126,7 @@ def _gemv_case(
         ref += b.double()
     args = (x.to(dev), qw.to(dev), scales.to(dev), zeros.to(dev), group)
     bd = None if b is None else b.to(dev)
-    got = int4_gemv(*args, bd, tiles, kernel)
+    got = int4_gemv(*args, bd, tiles)
     assert got.shape == (rows, n) and got.dtype == dtype
     tol = _tolerance(dtype, ref)
     torch.testing.assert_close(got.double().cpu(), ref, atol=tol, rtol=0)
@@ -142,22 +143,16 @@ def check_int4_gemv_group_sizes(device: torch.device) -> None:
     """Each way of reading scales and zeros (kernels/int4_gemv.py scale_mode) with a 512-input
     K step, odd N and K off the step: group 8, 32 and 128 (a step of whole groups), 1024 (a
     step inside one group), K itself (-1: one group), 24 (per word: neither divides the
-    other); and v1's ways (group 8: per word, 32 and 128: a step of one group)."""
+    other)."""
     from minisgl.kernels import int4_gemv as m
 
-    cases = [(8, 1040, m.PER_GROUP, m.PER_WORD), (32, 544, m.PER_GROUP, m.PER_TILE),
-             (128, 640, m.PER_GROUP, m.PER_TILE), (1024, 2048, m.PER_TILE, m.PER_TILE),
-             (200, 200, m.ONE_GROUP, m.ONE_GROUP), (1032, 1032, m.ONE_GROUP, m.ONE_GROUP),
-             (24, 120, m.PER_WORD, m.PER_WORD)]  # fmt: skip
-    for i, (group, k, mode, mode_v1) in enumerate(cases):
-        assert m.scale_mode(group, k, 512, "v2")[0] == mode, (group, k)
-        assert m.scale_mode(group, k, 512, "v1")[0] == mode_v1, (group, k)
-        for kernel in ("v2", "v1"):
-            tiles = (m.int4_gemv_tiles(1 + i % 4, kernel=kernel)[0], 16, 512, 4, 1)
-            _gemv_case(
-                1 + i % 4, 37 + 2 * i, k, group, torch.float32, i % 2 == 0, device, tiles,
-                kernel=kernel,
-            )  # fmt: skip
+    cases = [(8, 1040, m.PER_GROUP), (32, 544, m.PER_GROUP), (128, 640, m.PER_GROUP),
+             (1024, 2048, m.PER_TILE), (200, 200, m.ONE_GROUP), (1032, 1032, m.ONE_GROUP),
+             (24, 120, m.PER_WORD)]  # fmt: skip
+    for i, (group, k, mode) in enumerate(cases):
+        assert m.scale_mode(group, k, 512) == mode, (group, k)
+        tiles = (m.int4_gemv_tiles(1 + i % 4)[0], 16, 512, 4, 1)
+        _gemv_case(1 + i % 4, 37 + 2 * i, k, group, torch.float32, i % 2 == 0, device, tiles)
 
 
 def check_int4_gemv_half_precision(device: torch.device) -> None:
@@ -176,8 +171,7 @@ def check_int4_gemv_explicit_tiles(device: torch.device) -> None:
     _gemv_case(1, 19, 96, 96, torch.bfloat16, False, device, tiles=(1, 16, 32, 4, 2))
     _gemv_case(1, 70, 1536, 128, torch.bfloat16, True, device, tiles=(1, 64, 1024, 8, 1))
     _gemv_case(4, 40, 768, 32, torch.float16, False, device, tiles=(4, 128, 256, 2, 1))
-    _gemv_case(2, 21, 1024, 64, torch.bfloat16, False, device, tiles=(2, 32, 512, 4, 1),
-               kernel="v1")  # fmt: skip
+    _gemv_case(2, 21, 1024, 64, torch.bfloat16, False, device, tiles=(2, 32, 512, 4, 1))
 
 
 def check_int4_gemv_strided_rows_and_empty(device: torch.device) -> None:
