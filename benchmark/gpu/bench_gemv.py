@@ -139,7 +139,7 @@ def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: b
                 configs += [
                     (bm, bn, bk, wp, 1)
                     for bn, bk, wp in itertools.product(
-                        (16, 32, 64, 128), (128, 256, 512, 1024), (2, 4, 8)
+                        (8, 16, 32, 64, 128), (128, 256, 512, 1024), (2, 4, 8)
                     )
                     if bk <= 128 * wp and 4 <= bk // 8 * bn // (32 * wp) <= (32 // bm or 8)
                 ]
