@@ -155,7 +155,7 @@ def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: b
                     print(f"  {name} {cfg}: {type(e).__name__}")
                     continue
                 results.append((t, cfg))
-            t_def = results[0][0]
+            t_def = next((t for t, c in results if c == configs[0]), float("nan"))
             top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in sorted(results)[:4])
             print(
                 f"{name:13s} M={rows}: bf16 cuBLAS {t_cublas:6.1f} us | int4 GEMM {t_gemm:6.1f}"

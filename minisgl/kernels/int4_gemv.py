@@ -13,10 +13,10 @@ Why this design (the first version ran 2-3x slower than bf16 cuBLAS on the H200,
 it reads 4x fewer bytes; this one is 1.8-2.4x faster than it, benchmark/RESULTS.md):
 - Bytes in flight. The first version shortened its K step to one group (128 inputs: a 1 KB
   tile of words for 16 columns) and waited for each tile before requesting the next, so it
-  paid one memory latency (~1 us) per 128 inputs (36 us for 4096 inputs). This one keeps whole groups in
-  a step (a tile is [words of a group, groups, columns]: scales broadcast along the first
-  axis, no gather), 512-1024 inputs per step, and requests the next step's words before
-  computing on the current ones (two tiles in flight per program).
+  paid one memory latency (~1 us) per 128 inputs (36 us for 4096 inputs). This one keeps
+  whole groups in a step (a tile is [words of a group, groups, columns]: scales broadcast
+  along the first axis, no gather), 512-1024 inputs per step, and requests the next step's
+  words before computing on the current ones (two tiles in flight per program).
 - Instructions per weight. One accumulator per row in the words' own layout (the first
   version's [rows, K/8, N] accumulator made Triton convert layouts); the nibble becomes
   (code - zero) in float32 with no int-to-float conversion ((code | 0x4B000000) is the float
