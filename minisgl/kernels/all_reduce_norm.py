@@ -35,22 +35,31 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, bufs_ptr, flags_ptr, epochs_ptr,
     n_rows, n_cols, stride_x, stride_r, slot_elems, eps,
-    RANK: tl.constexpr, WORLD: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, MAX_PROGRAMS: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_wait(PDL)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     dtype = x_ptr.dtype.element_ty
+    # Before the PDL wait, only what no kernel writes (kernels/pdl.py): every rank's buffer
+    # and flag-array addresses and the norm weight, so that no load of theirs sits on the
+    # chain after the wait (the copy, the flag exchange, the peers' rows, the norm).
+    ranks = tl.arange(0, WORLD_P2)
+    buf_addrs = tl.load(bufs_ptr + ranks, mask=ranks < WORLD, other=0)
+    flag_addrs = tl.load(flags_ptr + ranks, mask=ranks < WORLD, other=0)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    pdl_wait(PDL)
 
     epoch = tl.load(epochs_ptr + pid) + 1
     tl.store(epochs_ptr + pid, epoch)
     buf_off = (epoch % 2) * slot_elems + (rows * n_cols)[:, None] + cols[None, :]
     x = tl.load(x_ptr + (rows * stride_x)[:, None] + cols[None, :], mask=mask, other=0.0)
-    own_buf = tl.load(bufs_ptr + RANK).to(tl.pointer_type(dtype))
+    if HAS_RES:  # requested now, so that it arrives while the ranks exchange flags
+        r = tl.load(res_ptr + (rows * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
+    own_buf = _pick(buf_addrs, ranks, RANK).to(tl.pointer_type(dtype))
     tl.store(own_buf + buf_off, x, mask=mask)
     # Every thread's copy is done before the flag goes up (the barrier, then one release
     # at system scope, which covers the writes the barrier ordered before it).
@@ -58,9 +67,9 @@ def _all_reduce_add_rms_norm_kernel(
     flag = RANK * MAX_PROGRAMS + pid
     for q in tl.static_range(WORLD):
         if q != RANK:
-            peer_flags = tl.load(flags_ptr + q).to(tl.pointer_type(tl.int64))
+            peer_flags = _pick(flag_addrs, ranks, q).to(tl.pointer_type(tl.int64))
             tl.atomic_xchg(peer_flags + flag, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flags_ptr + RANK).to(tl.pointer_type(tl.int64))
+    own_flags = _pick(flag_addrs, ranks, RANK).to(tl.pointer_type(tl.int64))
     for q in tl.static_range(WORLD):
         if q != RANK:
             seen = tl.atomic_add(own_flags + q * MAX_PROGRAMS + pid, 0, sem="acquire", scope="sys")
@@ -76,7 +85,7 @@ def _all_reduce_add_rms_norm_kernel(
         if q == RANK:
             part = x.to(tl.float32)
         else:
-            peer_buf = tl.load(bufs_ptr + q).to(tl.pointer_type(dtype))
+            peer_buf = _pick(buf_addrs, ranks, q).to(tl.pointer_type(dtype))
             part = tl.load(peer_buf + buf_off, mask=mask, other=0.0, volatile=True).to(tl.float32)
         if q == 0:
             acc = part
@@ -84,15 +93,19 @@ def _all_reduce_add_rms_norm_kernel(
             acc = (acc + part).to(dtype).to(tl.float32)
     out_off = (rows * n_cols)[:, None] + cols[None, :]
     if HAS_RES:
-        r = tl.load(res_ptr + (rows * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
         acc = (acc + r.to(tl.float32)).to(dtype).to(tl.float32)
     tl.store(res_out_ptr + out_off, acc.to(dtype), mask=mask)
 
     var = tl.sum(acc * acc, axis=1) / n_cols
     rstd = tl.rsqrt(var + eps)
     y = (acc * rstd[:, None]).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + out_off, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _pick(values, index, i: tl.constexpr):
+    """values[i] of a small vector already in registers (no memory access)."""
+    return tl.sum(tl.where(index == i, values, 0), axis=0)
 
 
 def programs(n_rows: int, n_cols: int) -> int:
@@ -131,7 +144,8 @@ def all_reduce_add_rms_norm(
     _all_reduce_add_rms_norm_kernel[(programs(n_rows, d),)](
         x, residual if residual is not None else x, weight, out, res_out, bufs, flags, epochs,
         n_rows, d, x.stride(0), residual.stride(0) if residual is not None else 0, slot_elems,
-        eps, RANK=rank, WORLD=world, MAX_PROGRAMS=epochs.numel(),
+        eps, RANK=rank, WORLD=world, WORLD_P2=triton.next_power_of_2(world),
+        MAX_PROGRAMS=epochs.numel(),
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip
