@@ -26,13 +26,14 @@ from minisgl.kernels.store import cast_to_cache
 
 @triton.jit
 def _norm_rope_heads(
-    src_ptr, stride_h, dst_ptr, stride_dst_h, w_ptr, h0, n_cols, eps,
+    src_ptr, stride_h, dst_ptr, stride_dst_h, w1, w2, h0, n_cols, eps,
     c1, c2, s1, s2, offs_d, d_mask, cols, col_mask,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """Heads [h0, h0 + BLOCK_M) of one token: RMSNorm (if HAS_NORM), rotate, store at dst
-    (cast to dst's dtype, as store_kv casts to the cache's)."""
+    """Heads [h0, h0 + BLOCK_M) of one token: RMSNorm (if HAS_NORM; w1, w2: the halves of
+    its weight, [1, BLOCK_D] float32), rotate, store at dst (cast to dst's dtype, as store_kv
+    casts to the cache's)."""
     dtype = src_ptr.dtype.element_ty
     offs_h = h0 + tl.arange(0, BLOCK_M)
     h_mask = offs_h < NUM_HEADS
@@ -48,8 +49,6 @@ def _norm_rope_heads(
         xf = tl.load(src_ptr + rows + cols[None, :], mask=row_mask, other=0.0).to(tl.float32)
         var = tl.sum(xf * xf, axis=1) / n_cols
         rstd = tl.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
         # Normalised row rounded to the activation dtype, times the weight, rounded again:
         # rms_norm's output, which RoPE then reads.
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
@@ -103,10 +102,19 @@ def _qk_norm_rope_store_kernel(
         cos_ptr, sin_ptr, pos, stride_cos, stride_sin, offs_d, d_mask, HALF, dtype
     )  # as apply_rope reads them
     slot = tl.load(slots_ptr + tok).to(tl.int64)
+    # The norm weights too (constant): loaded after the row statistics, they cost one more
+    # memory round trip at the end of the kernel.
+    is_q = chunk < Q_CHUNKS
+    w1 = tl.zeros([1, BLOCK_D], tl.float32)
+    w2 = tl.zeros([1, BLOCK_D], tl.float32)
+    if HAS_NORM:
+        w_ptr = tl.where(is_q, qw_ptr, kw_ptr)
+        w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     pdl_wait(PDL)
-    if chunk < Q_CHUNKS:
+    if is_q:
         _norm_rope_heads(
-            q_ptr + tok * stride_qt, stride_qh, q_out_ptr + tok * stride_qot, stride_qoh, qw_ptr,
+            q_ptr + tok * stride_qt, stride_qh, q_out_ptr + tok * stride_qot, stride_qoh, w1, w2,
             chunk * BLOCK_M, n_cols, eps, c1, c2, s1, s2, offs_d, d_mask, cols, col_mask,
             HQ, HALF, HAS_NORM, BLOCK_M,
         )  # fmt: skip
@@ -114,7 +122,7 @@ def _qk_norm_rope_store_kernel(
         h0 = (chunk - Q_CHUNKS) * BLOCK_M
         k_dst = k_cache_ptr + slot * stride_cache_slot
         _norm_rope_heads(
-            k_ptr + tok * stride_kt, stride_kh, k_dst, stride_cache_h, kw_ptr,
+            k_ptr + tok * stride_kt, stride_kh, k_dst, stride_cache_h, w1, w2,
             h0, n_cols, eps, c1, c2, s1, s2, offs_d, d_mask, cols, col_mask,
             HK, HALF, HAS_NORM, BLOCK_M,
         )  # fmt: skip
