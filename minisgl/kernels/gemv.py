@@ -54,6 +54,13 @@ def _gemv_kernel(
     w_up0 = w0
     if GATED:
         w_up0 = tl.load(up_rows + offs_k[None, :], mask=mask0, other=0.0)
+    # The bias too: loaded after the final reduction it costs one more memory round trip.
+    bias = tl.zeros([BLOCK_N], tl.float32)
+    bias_up = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if GATED:
+            bias_up = tl.load(b_ptr + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
@@ -75,11 +82,11 @@ def _gemv_kernel(
             acc_up += x[:, None, :] * w_up.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y += bias[None, :]
     if GATED:
         up = tl.sum(acc_up, axis=2)
         if HAS_BIAS:
-            up += tl.load(b_ptr + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            up += bias_up[None, :]
         gate = y.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up.to(dtype).to(tl.float32)
