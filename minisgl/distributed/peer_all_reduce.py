@@ -28,8 +28,8 @@ logger = logging.getLogger(__name__)
 # Largest message it takes: a decode batch of 256 rows of a 4,096-wide model is 2 MiB.
 MAX_BYTES = 8 * 2**20
 _ALIGN = 16  # the kernel's vector width: pointers and sizes must be multiples of it
-# The fused all-reduce + norm: two slots (alternate calls) of 512 rows of a 4,096-wide bf16
-# model, and one flag per rank and program (a program per row, or per few short rows).
+# The fused all-reduce + norm: per alternate call and source rank, a slot of 512 rows of a
+# 4,096-wide bf16 model; an epoch per program (a program per row, or per few short rows).
 NORM_SLOT_BYTES = 4 * 2**20
 NORM_MAX_PROGRAMS = 4096
 _NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,17 +62,15 @@ class PeerAllReduce:
         self.fuse_norm = os.environ.get("MINISGL_FUSED_ALL_REDUCE_NORM", "1") != "0"
         if self.fuse_norm:
             self.rank = dist.get_rank(group)
-            norm_buf = symm_mem.empty(2 * NORM_SLOT_BYTES, dtype=torch.uint8, device=device)
+            world = dist.get_world_size(group)
+            norm_buf = symm_mem.empty(2 * world * NORM_SLOT_BYTES, dtype=torch.uint8, device=device)
+            norm_buf.fill_(0xFF)  # the kernel's "not yet written" (all bytes 0xFF)
             self.norm_bufs = _peer_addresses(
                 norm_buf, symm_mem.rendezvous(norm_buf, self.group_name)
             )
-            world = dist.get_world_size(group)
-            flags = symm_mem.empty(world * NORM_MAX_PROGRAMS, dtype=torch.int64, device=device)
-            flags.zero_()
-            self.norm_flags = _peer_addresses(flags, symm_mem.rendezvous(flags, self.group_name))
             self.norm_epochs = torch.zeros(NORM_MAX_PROGRAMS, dtype=torch.int64, device=device)
-            self._keep = (norm_buf, flags)
-            # No rank may raise a flag in a peer's array before that peer has zeroed it.
+            self._keep = norm_buf
+            # No rank may write into a peer's buffer before that peer has filled it.
             torch.cuda.synchronize(device)
             dist.barrier(group)
 
@@ -115,8 +113,7 @@ class PeerAllReduce:
 
         slot_elems = NORM_SLOT_BYTES // x.element_size()
         return all_reduce_add_rms_norm(
-            x, residual, weight, eps, self.norm_bufs, self.norm_flags, self.norm_epochs,
-            slot_elems, self.rank,
+            x, residual, weight, eps, self.norm_bufs, self.norm_epochs, slot_elems, self.rank,
         )  # fmt: skip
 
 

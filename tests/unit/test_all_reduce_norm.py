@@ -1,13 +1,14 @@
 """The fused TP all-reduce + residual add + RMSNorm kernel (kernels/all_reduce_norm.py),
-checked as one rank of a simulated group: the peers' rows and flags are put in place before
-the call, as the peers' own calls would have, so the kernel's wait ends at once.
+checked as one rank of a simulated group: the peers' rows are put in this rank's buffer
+before the call, as the peers' own calls would have, so the kernel's wait ends at once.
 
 Checked against the unfused path, the rank-ordered sum followed by ``fused_add_rms_norm``
 (bit-equal where the device's casts round like torch's; see test_fused_ops.py on the
-interpreter's bfloat16 casts), plus the protocol's state: the partial sum lands in this
-rank's slot of the call's parity, every peer's flag for this rank and program is raised to
-the call's epoch, and the epochs advance by one per call. Two consecutive calls use both
-slots. The cross-GPU run (real peers through NVLink, CUDA graphs) is
+interpreter's bfloat16 casts), plus the protocol's state: the partial sum lands in every
+peer's buffer, in the slot of the call's parity and this rank; the slots this rank read are
+back to the sentinel; nothing past the rows is touched; the epochs advance by one per call.
+Two consecutive calls use both parities. A partial that is the sentinel's bit pattern goes
+out as the canonical NaN. The cross-GPU run (real peers through NVLink, CUDA graphs) is
 tests/gpu/test_spec_and_tp_gpu.py's TP=2 tests.
 """
 
@@ -28,31 +29,45 @@ MAX_PROGRAMS = 8
 EPS = 1e-6
 
 
+def _sentinel(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """n elements of ``dtype`` with every byte 0xFF (the kernel's "not yet written")."""
+    return torch.full((n * dtype.itemsize,), 0xFF, dtype=torch.uint8, device=device).view(dtype)
+
+
+def _is_sentinel(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).eq(0xFF).view(-1, t.element_size()).all(dim=1)
+
+
 def _run_group(
-    device: torch.device, dtype: torch.dtype, world: int, rank: int, rows: int, d: int, res: bool
-) -> None:
+    device: torch.device, dtype: torch.dtype, world: int, rank: int, rows: int, d: int, res: bool,
+    sentinel_row: bool = False,
+) -> None:  # fmt: skip
     from minisgl.kernels.all_reduce_norm import all_reduce_add_rms_norm, programs
     from minisgl.kernels.norm import fused_add_rms_norm, rms_norm
 
     g = torch.Generator().manual_seed(100 * world + 10 * rank + rows)
     slot = rows * d + 64  # room to spare: nothing may be written past the rows
-    bufs = [torch.zeros(2 * slot, dtype=dtype, device=device) for _ in range(world)]
-    flags = [torch.zeros(world * MAX_PROGRAMS, dtype=torch.int64, device=device) for _ in bufs]
+    bufs = [_sentinel(2 * world * slot, dtype, device) for _ in range(world)]
     epochs = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=device)
     buf_ptrs = torch.tensor([b.data_ptr() for b in bufs], device=device)
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], device=device)
     weight = torch.randn(d, generator=g).to(dtype).to(device)
     n_prog = programs(rows, d)
+
+    def slot_of(owner: int, parity: int, src: int) -> torch.Tensor:
+        start = (parity * world + src) * slot
+        return bufs[owner][start : start + slot]
+
     for epoch in (1, 2):
         parts = [torch.randn(rows, d, generator=g).to(dtype).to(device) for _ in range(world)]
+        if sentinel_row:  # a partial element with the sentinel's bits (a NaN)
+            parts[rank].view(-1)[:1] = _sentinel(1, dtype, device)
         residual = torch.randn(rows, d, generator=g).to(dtype).to(device) if res else None
         s = epoch % 2
-        for q in range(world):  # the peers' side of this call
+        for q in range(world):  # the peers' side of this call: their rows, pushed to us
             if q != rank:
-                bufs[q][s * slot : s * slot + rows * d] = parts[q].reshape(-1)
-                flags[rank][q * MAX_PROGRAMS : q * MAX_PROGRAMS + n_prog] = epoch
+                slot_of(rank, s, q)[: rows * d] = parts[q].reshape(-1)
         out, res_out = all_reduce_add_rms_norm(
-            parts[rank], residual, weight, EPS, buf_ptrs, flag_ptrs, epochs, slot, rank
+            parts[rank], residual, weight, EPS, buf_ptrs, epochs, slot, rank
         )
         total = parts[0]
         for q in range(1, world):
@@ -61,19 +76,32 @@ def _run_group(
             want, want_res = fused_add_rms_norm(total, residual, weight, EPS)
         else:
             want, want_res = rms_norm(total, weight, EPS), total
+        if sentinel_row:
+            assert torch.isnan(res_out.view(-1)[0])  # any NaN: only what is sent matters
+            want, want_res, out, res_out = (t.view(-1)[d:] for t in (want, want_res, out, res_out))
         if dtype != BF16 or device.type == "cuda":
             assert torch.equal(res_out, want_res) and torch.equal(out, want), (epoch, rank)
         else:  # the interpreter truncates float32 -> bfloat16 (rounded sums differ by ulps)
             torch.testing.assert_close(res_out.float(), want_res.float(), atol=4e-2, rtol=4e-2)
             torch.testing.assert_close(out.float(), want.float(), atol=6e-2, rtol=6e-2)
-        mine = bufs[rank][s * slot : s * slot + rows * d].view(rows, d)
-        assert torch.equal(mine, parts[rank]), "the partial sum is in this rank's slot"
-        assert bufs[rank][s * slot + rows * d : (s + 1) * slot].eq(0).all(), "past the rows"
         for q in range(world):
-            raised = flags[q][rank * MAX_PROGRAMS : (rank + 1) * MAX_PROGRAMS].cpu()
-            if q != rank:
-                assert raised[:n_prog].eq(epoch).all() and raised[n_prog:].eq(0).all()
+            if q == rank:
+                continue
+            pushed = slot_of(q, s, rank)
+            sent = pushed[: rows * d].view(rows, d)
+            if sentinel_row:
+                assert torch.isnan(sent.view(-1)[0]) and not _is_sentinel(sent.view(-1)[:1])
+                assert torch.equal(sent.view(-1)[1:], parts[rank].view(-1)[1:])
+            else:
+                assert torch.equal(sent, parts[rank]), "the partial sum is in the peer's slot"
+            assert _is_sentinel(pushed[rows * d :]).all(), "nothing past the rows"
+            assert _is_sentinel(slot_of(rank, s, q)).all(), "read slots are reset"
+            assert _is_sentinel(slot_of(q, 1 - s, rank)).all(), "the other parity untouched"
+        assert _is_sentinel(slot_of(rank, s, rank)).all(), "no slot of its own is written"
         assert epochs[:n_prog].eq(epoch).all() and epochs[n_prog:].eq(0).all()
+        for q in range(world):  # the peers consume what this rank pushed (their reset)
+            if q != rank:
+                slot_of(q, s, rank).copy_(_sentinel(slot, dtype, device))
 
 
 def check_two_ranks_matches_unfused(device: torch.device) -> None:
@@ -96,6 +124,11 @@ def check_without_residual(device: torch.device) -> None:
 def check_four_ranks_sum_in_rank_order(device: torch.device) -> None:
     for rank in (0, 2, 3):
         _run_group(device, F16, 4, rank, rows=2, d=256, res=True)
+
+
+def check_sentinel_bits_go_as_nan(device: torch.device) -> None:
+    for dtype in (F32, BF16):
+        _run_group(device, dtype, 2, 0, rows=2, d=64, res=True, sentinel_row=True)
 
 
 CHECKS = kernel_checks.collect(globals())
