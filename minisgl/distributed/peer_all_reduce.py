@@ -69,7 +69,8 @@ class PeerAllReduce:
                 norm_buf, symm_mem.rendezvous(norm_buf, self.group_name)
             )
             self.norm_epochs = torch.zeros(NORM_MAX_PROGRAMS, dtype=torch.int64, device=device)
-            self._keep = norm_buf
+            self._norm_shape: tuple[int, int] | None = None  # (row width, element size)
+            self.norm_buf = norm_buf  # this rank's (all_reduce_norm writes it too)
             # No rank may write into a peer's buffer before that peer has filled it.
             torch.cuda.synchronize(device)
             dist.barrier(group)
@@ -111,9 +112,17 @@ class PeerAllReduce:
         """(rmsnorm(s + residual) * weight, s + residual), s the sum of ``x`` over ranks."""
         from minisgl.kernels.all_reduce_norm import all_reduce_add_rms_norm
 
+        # Program p owns the same elements of a slot in every call only if every call has the
+        # same row width and element size: a mixed width would let a peer write a region
+        # that another program of this rank has not reset yet (kernels/all_reduce_norm.py).
+        shape = (x.shape[1], x.element_size())
+        if self._norm_shape is None:
+            self._norm_shape = shape
+        assert shape == self._norm_shape, f"fused all-reduce rows {shape} != {self._norm_shape}"
         slot_elems = NORM_SLOT_BYTES // x.element_size()
         return all_reduce_add_rms_norm(
-            x, residual, weight, eps, self.norm_bufs, self.norm_epochs, slot_elems, self.rank,
+            x, residual, weight, eps, self.norm_buf, self.norm_bufs, self.norm_epochs, slot_elems,
+            self.rank,
         )  # fmt: skip
 
 

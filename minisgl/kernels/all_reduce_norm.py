@@ -17,6 +17,10 @@ with no flags and no fences (a "Lamport" exchange: the data is its own flag):
    two ranks (a + b rounds once either way).
 
 The critical path is one NVLink write, against a flag exchange plus a remote read before.
+Pushes and polls are 16-byte vector accesses (the buffers are 16-byte aligned); the poll
+checks every element, so a vector seen in parts only means one more poll, and an aligned
+element is never seen half-written. The stores are plain and the polls volatile (system
+scope, past L1), as other Lamport all-reduces do.
 
 Slots alternate by call parity: program p keeps a call counter (epoch) in ordinary memory,
 and every rank makes the same calls with the same grids, so parities agree across ranks
@@ -39,9 +43,9 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _all_reduce_add_rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, bufs_ptr, epochs_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, own_ptr, bufs_ptr, epochs_ptr,
     n_rows, n_cols, stride_x, stride_r, slot_elems, eps,
-    RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BITS: tl.constexpr,
+    RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, ELEM_BYTES: tl.constexpr,
     HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
@@ -50,11 +54,12 @@ def _all_reduce_add_rms_norm_kernel(
     col_mask = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     dtype = x_ptr.dtype.element_ty
-    bits_ty = tl.int16 if BITS == 16 else tl.int32
+    bits_ty = tl.int16 if ELEM_BYTES == 2 else tl.int32
     # Before the PDL wait, only what no kernel writes (kernels/pdl.py): every rank's buffer
     # address and the norm weight, so that no load of theirs sits on the chain after it.
     ranks = tl.arange(0, WORLD_P2)
     buf_addrs = tl.load(bufs_ptr + ranks, mask=ranks < WORLD, other=0)
+    own_addr = _pick(buf_addrs, ranks, RANK)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
 
@@ -65,13 +70,18 @@ def _all_reduce_add_rms_norm_kernel(
     x = tl.load(x_ptr + (rows * stride_x)[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:  # requested now, so that it arrives while the peers' rows travel
         r = tl.load(res_ptr + (rows * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
-    # The one partial that could pass for "not yet written" goes as the canonical NaN.
-    sent = tl.where(x.to(bits_ty, bitcast=True) == -1, float("nan"), x)
+    # The one partial that could pass for "not yet written" (all ones, a NaN) goes as another
+    # NaN (all ones but the last bit), to the peers and into this rank's own sum alike, so
+    # every rank sums the same bits. (On the bits: Triton 3.6's interpreter has no bf16 NaN
+    # constant.)
+    xb = x.to(bits_ty, bitcast=True)
+    x = tl.where(xb == -1, xb - 1, xb).to(dtype, bitcast=True)
     for q in tl.static_range(WORLD):
         if q != RANK:
-            peer_buf = _pick(buf_addrs, ranks, q).to(tl.pointer_type(dtype))
-            tl.store(peer_buf + parity_off + RANK * slot_elems + row_off, sent, mask=mask)
-    own_buf = _pick(buf_addrs, ranks, RANK).to(tl.pointer_type(dtype))
+            # Rank q's buffer as an offset from this rank's, in elements: a multiple of 16
+            # (buffers are 16-byte aligned at least), which lets the stores vectorise.
+            peer = tl.multiple_of((_pick(buf_addrs, ranks, q) - own_addr) // ELEM_BYTES, 16)
+            tl.store(own_ptr + peer + parity_off + RANK * slot_elems + row_off, x, mask=mask)
 
     # Sum in rank order, rounding after each add like a chain of dtype additions.
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -79,11 +89,15 @@ def _all_reduce_add_rms_norm_kernel(
         if q == RANK:
             part = x.to(tl.float32)
         else:
-            src = own_buf + parity_off + q * slot_elems + row_off
+            src = own_ptr + parity_off + q * slot_elems + row_off
             got = tl.load(src, mask=mask, other=0.0, volatile=True)
             while tl.sum((mask & (got.to(bits_ty, bitcast=True) == -1)).to(tl.int32)) > 0:
                 got = tl.load(src, mask=mask, other=0.0, volatile=True)
-            # Ready for the slot's next use (call epoch + 2): the sentinel again.
+            # Ready for the slot's next use (call epoch + 2): the sentinel again. The store's
+            # layout may give an element to another thread than the one that polled it, so
+            # every thread's last poll is done first (the loop's reduction also orders them;
+            # this keeps it so if the loop ever exits per thread).
+            tl.debug_barrier()
             tl.store(src.to(tl.pointer_type(bits_ty)), tl.full(got.shape, -1, bits_ty), mask=mask)
             part = got.to(tl.float32)
         if q == 0:
@@ -116,6 +130,7 @@ def all_reduce_add_rms_norm(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
+    own: torch.Tensor,
     bufs: torch.Tensor,
     epochs: torch.Tensor,
     slot_elems: int,
@@ -123,13 +138,18 @@ def all_reduce_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(sum + residual) * weight, sum + residual), sum = x summed over the ranks.
 
-    x, residual: [N, D] with unit column stride. bufs: int64 [world], every rank's symmetric
-    buffer as addresses in this process: 2 x world slots of ``slot_elems`` of x's dtype (slot
+    x, residual: [N, D] with unit column stride. own: this rank's symmetric buffer; bufs:
+    int64 [world], every rank's (own's and its peers' copies) as addresses in this process,
+    16-byte aligned: 2 x world slots of ``slot_elems`` of x's dtype (slot
     (parity, source rank)), all bytes 0xFF (SENTINEL) at start; epochs: int64 [max programs],
     this rank's own, zero at start. Every rank must make the same calls in the same order."""
     n_rows, d = x.shape
     world = bufs.numel()
     assert x.stride(1) == 1 and n_rows * d <= slot_elems, (x.stride(), n_rows, slot_elems)
+    assert own.data_ptr() % 16 == 0 and own.numel() * own.element_size() >= (
+        2 * bufs.numel() * slot_elems * x.element_size()
+    ), (own.data_ptr(), own.numel())
+    own = own.view(x.dtype)
     assert programs(n_rows, d) <= epochs.numel()
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -139,10 +159,10 @@ def all_reduce_add_rms_norm(
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(1) == 1
     block_m, block_n, num_warps = row_tile(d)
     _all_reduce_add_rms_norm_kernel[(programs(n_rows, d),)](
-        x, residual if residual is not None else x, weight, out, res_out, bufs, epochs,
+        x, residual if residual is not None else x, weight, out, res_out, own, bufs, epochs,
         n_rows, d, x.stride(0), residual.stride(0) if residual is not None else 0, slot_elems,
         eps, RANK=rank, WORLD=world, WORLD_P2=triton.next_power_of_2(world),
-        BITS=x.element_size() * 8,
+        ELEM_BYTES=x.element_size(),
         HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip

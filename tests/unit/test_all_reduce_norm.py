@@ -67,7 +67,7 @@ def _run_group(
             if q != rank:
                 slot_of(rank, s, q)[: rows * d] = parts[q].reshape(-1)
         out, res_out = all_reduce_add_rms_norm(
-            parts[rank], residual, weight, EPS, buf_ptrs, epochs, slot, rank
+            parts[rank], residual, weight, EPS, bufs[rank], buf_ptrs, epochs, slot, rank
         )
         total = parts[0]
         for q in range(1, world):
