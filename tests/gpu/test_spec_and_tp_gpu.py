@@ -94,8 +94,13 @@ peer = peer_all_reduce.active()
 out = [r["token_ids"] for r in llm.generate(prompts, params)]
 # Calls of the fused all-reduce + norm kernel (per program: its epoch counter).
 fused = int(peer.norm_epochs.sum()) if peer is not None and peer.fuse_norm else 0
+# Every slot the peer wrote was read and reset, and nothing else was written: rank 0's
+# buffer is all sentinel bytes again once the GPU is idle.
+import torch
+torch.cuda.synchronize()
+clean = bool(peer.norm_buf.eq(0xFF).all()) if fused else True
 llm.close()
-print(json.dumps({"peer": peer is not None, "fused": fused, "out": out}))
+print(json.dumps({"peer": peer is not None, "fused": fused, "clean": clean, "out": out}))
 """
 
 
@@ -122,4 +127,5 @@ def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path], fused_no
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["peer"], "the fresh process did not take the peer-memory path"
     assert (result["fused"] > 0) == (fused_norm == "1"), result["fused"]
+    assert result["clean"], "a slot of the fused all-reduce was left written (or never reset)"
     assert result["out"] == nccl
