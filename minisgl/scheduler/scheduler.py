@@ -228,7 +228,7 @@ class Scheduler:
         else:
             done = []
         t0 = time.perf_counter()
-        rows = self._schedule()
+        rows = self._schedule(busy=prev is not None)
         if rows:
             self.inflight = self._launch(rows)
             self.stats["steps"] += 1
@@ -241,7 +241,9 @@ class Scheduler:
             self.inflight = None
         return done
 
-    def _schedule(self) -> list[_Row]:
+    def _schedule(self, busy: bool = False) -> list[_Row]:
+        """The next batch's rows. ``busy``: a batch is still in flight (overlap), so its
+        results may yet finish requests and free their pages."""
         if self._admission_blocked:
             self._admission_blocked = False
             self._preempt_for_priority()
@@ -259,9 +261,12 @@ class Scheduler:
             rows += self._schedule_prefill(partial, budget)
         if not rows and decodes and not mixed:
             rows = self._schedule_decodes(decodes)
-        if not rows and self.running and self.inflight is None:
+        if not rows and self.running and not busy:
             # Nothing could get memory: give the newest (or, by priority, the least important)
-            # request's pages back and retry later.
+            # request's pages back and retry later. Not while a batch is in flight: then the
+            # running requests may only be waiting for their last token (nothing to schedule
+            # is no shortage), and if pages are short, the next step, with nothing in flight,
+            # still retracts.
             self._retract(max(self.running, key=self._victim_key))
         return rows
 

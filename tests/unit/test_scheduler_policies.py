@@ -35,7 +35,22 @@ PROMPT_LEN, MAX_TOKENS = 8, 24
 WORST = PROMPT_LEN + MAX_TOKENS  # a request's worst-case pages (page size 1)
 
 
-def test_optimistic_admission_retracts_and_resets_the_ratio(tiny_models: dict[str, Path]) -> None:
+def _ratio_prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, 256) for _ in range(PROMPT_LEN)] for _ in range(12)]
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_models: dict[str, Path]) -> list[list[int]]:
+    llm = LLM(str(tiny_models["llama"]), num_pages=4 * WORST)
+    llm.scheduler.overlap = False
+    return _alone(llm, _ratio_prompts(), _greedy(MAX_TOKENS))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_optimistic_admission_retracts_and_resets_the_ratio(
+    tiny_models: dict[str, Path], alone_outputs: list[list[int]], overlap: bool
+) -> None:
     """A pool that holds four requests' worst case (prompt + max_tokens) and twelve requests:
     admission counts only the new-token ratio's share of each request's remaining tokens, so
     more than four run at once; when the pool runs dry a decode is retracted (requeued with
@@ -44,7 +59,7 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(tiny_models: dict[st
     Every output is the request's output alone, and the pool ends clean."""
     llm = LLM(str(tiny_models["llama"]), num_pages=4 * WORST)
     sched = llm.scheduler
-    sched.overlap = False
+    sched.overlap = overlap
     init, floor = sched.config.init_new_token_ratio, sched.config.min_new_token_ratio
     decay = sched.ratio_decay
     assert init > floor and decay == pytest.approx((init - floor) / 600)
@@ -64,8 +79,7 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(tiny_models: dict[st
         assert req is sched.waiting[0] and req not in sched.running
 
     sched._retract = spy  # type: ignore[method-assign]
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 256) for _ in range(PROMPT_LEN)] for _ in range(12)]
+    prompts = _ratio_prompts()
     reqs = [sched.add_request(p, _greedy(MAX_TOKENS)) for p in prompts]
     peak = 0
     while sched.has_work:
@@ -75,7 +89,8 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(tiny_models: dict[st
             sched.stats["steps"],
         )
         sched.step()
-        sched.check_integrity()
+        if sched.inflight is None:
+            sched.check_integrity()
         peak = max(peak, len(sched.running))
         launched = sched.stats["steps"] - n_launched
         if sched.num_retractions > n_retracted:
@@ -87,9 +102,10 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(tiny_models: dict[st
     for victim, decodes, available in retractions:
         assert available < decodes  # each decode needs one page: the pool really ran out
         assert victim.output_ids, "a decode (with outputs to keep) was retracted"
+    sched.drain()
     assert all(r.finished and r.finish_reason == "length" for r in reqs)
+    assert [r.output_ids for r in reqs] == alone_outputs
     assert_engine_clean(llm)
-    assert [r.output_ids for r in reqs] == _alone(llm, prompts, _greedy(MAX_TOKENS))
 
     # The floor: a decay that would cross it stops at it.
     req = sched.add_request(prompts[0], _greedy(2))
@@ -99,6 +115,24 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(tiny_models: dict[st
     while sched.has_work:
         sched.step()
     assert req.finished
+    assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_finishing_requests_are_not_retracted(tiny_models: dict[str, Path], overlap: bool) -> None:
+    """With overlap scheduling, a step whose running requests all have their last token in
+    flight has nothing to schedule: that is no shortage of pages, so nothing is retracted and
+    the new-token ratio keeps its decay (a lone request once was retracted at its last step,
+    resetting the ratio whenever the engine drained)."""
+    llm = LLM(str(tiny_models["llama"]))
+    sched = llm.scheduler
+    sched.overlap = overlap
+    init = sched.config.init_new_token_ratio
+    out = llm.generate([[5, 6, 7], [8, 9]], _greedy(5))
+    assert all(len(r["token_ids"]) == 5 for r in out)
+    assert sched.num_retractions == 0
+    launched = sched.stats["steps"]
+    assert sched.new_token_ratio == pytest.approx(init - sched.ratio_decay * launched)
     assert_engine_clean(llm)
 
 
