@@ -38,7 +38,8 @@ FLAG_HELP: dict[str, str] = {
     "mem_fraction_static": "GPU: share of device memory for weights + KV cache",
     "cpu_kv_cache_gb": "CPU: KV pool budget in GiB",
     "chunked_prefill_size": "token budget per scheduler step (default 8192 on CUDA, 256 on CPU)",
-    "disable_mixed_batch": "never mix prefill chunks with decodes in one batch",
+    "disable_mixed_batch": "never mix prefill chunks with decodes in one batch (prefill "
+    "goes first: decodes wait while a prompt is prefilled)",
     "disable_fused_rope_store": "run q/k norm, RoPE and the KV-cache store as separate kernels "
     "(CUDA; outputs are identical either way)",
     "cache": "prefix cache: radix | naive",

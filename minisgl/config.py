@@ -36,6 +36,9 @@ class EngineConfig:
     # stalls every running stream for its whole length (measured: p99 ITL about halved at
     # equal throughput, benchmark/RESULTS.md).
     chunked_prefill_size: int | None = None
+    # Never a decode and a prefill chunk in one step. Prefill goes first: running decodes
+    # wait while any prompt has tokens left to prefill (a long chunked prompt stalls every
+    # stream for all its chunks; tests/unit/test_scheduler_policies.py).
     disable_mixed_batch: bool = False
     cache: str = "radix"  # radix | naive
     # fcfs | lpm | priority (each request's `priority`, lower first; vLLM's convention)
