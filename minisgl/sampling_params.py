@@ -54,6 +54,11 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # Reasoning models: the grammar applies only once the output has ended with this text's
+    # tokens (e.g. "</think>"); the output before is free (the model's thinking). A prompt
+    # that already ends with them (then whitespace only) is constrained from the first token.
+    # The server sets it for chat requests under --reasoning-parser (server/protocol.py).
+    grammar_after: str | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -167,6 +172,12 @@ class SamplingParams:
                 f"{given[1]} must not be set together with {given[0]} (one of json_schema, "
                 "regex and ebnf at most)"
             )
+        after = self.grammar_after
+        if after is not None:
+            if not isinstance(after, str) or not after:
+                raise _bad("grammar_after", after, "None or a non-empty string")
+            if not given:
+                raise ValueError("grammar_after requires json_schema, regex or ebnf")
         if not given:
             return
         name = given[0]

@@ -11,6 +11,14 @@ constrained row is not overlapped with the next (scheduler.py).
 
 JSON schemas compile without free whitespace between tokens (compact JSON: ``{"a": 1}``):
 with free whitespace a model can emit blank lines forever without breaking the grammar.
+
+Reasoning models (``grammar_after``, e.g. ``"</think>"``): the matcher waits while the model
+thinks. Its rows are unconstrained (no bitmask) and it accepts nothing until the output ends
+with the marker's tokens (``grammar_wait``: only the newest token is compared with the
+marker's last, then its tail with the marker); from the next token on it constrains as above.
+A prompt that already closed the thinking (Qwen3's template with ``enable_thinking: false``
+ends with ``<think>\n\n</think>\n\n``) is constrained from the first token. Waiting rows
+still keep their batch from being overlapped: the step after the marker needs the bitmask.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+# Whitespace tokens a prompt may end with after ``grammar_after``'s marker and still count
+# as having closed the thinking (Qwen3's template: one "\n\n" token).
+PROMPT_TAIL_TOKENS = 4
 
 
 class GrammarBackend:
@@ -33,6 +45,7 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: Any = None
+        self._markers: dict[str, tuple[int, ...]] = {}
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
@@ -73,6 +86,35 @@ class GrammarBackend:
             reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
             raise ValueError(f"{kind} must be a valid {what}: {reason}") from None
         return xgr.GrammarMatcher(compiled)
+
+    def marker(self, text: str) -> tuple[int, ...]:
+        """``grammar_after``'s token ids: ``text`` encoded on its own, no special tokens (the
+        think-end marker of a reasoning model is one added token; cached by text)."""
+        ids = self._markers.get(text)
+        if ids is None:
+            self._get_compiler()  # the tokenizer's checks and messages
+            ids = tuple(int(t) for t in self._tokenizer().encode(text, add_special_tokens=False))
+            if not ids:
+                raise ValueError(f"grammar_after must encode to tokens, got {text!r}")
+            self._markers[text] = ids
+        return ids
+
+    def wait_for(self, text: str | None, prompt_ids: Sequence[int]) -> tuple[int, ...]:
+        """The tokens the output must end with before the grammar applies (``grammar_wait``):
+        ``text``'s marker, or () when there is none or the prompt already ends with it (and
+        then at most a few whitespace tokens)."""
+        if text is None:
+            return ()
+        ids = self.marker(text)
+        n = len(ids)
+        tail = list(prompt_ids[-(n + PROMPT_TAIL_TOKENS) :])
+        for start in range(len(tail) - n, -1, -1):  # the last occurrence
+            if tuple(tail[start : start + n]) == ids:
+                rest = tail[start + n :]
+                if not rest or not self._tokenizer().decode(rest).strip():
+                    return ()
+                break
+        return ids
 
     def bitmask(self, matchers: Sequence[Any | None]) -> torch.Tensor:
         """int32 [len(matchers), ceil(V / 32)]: row i the tokens matcher i allows next (all

@@ -51,6 +51,9 @@ class Req:
     spec_accepted_tokens: int = 0
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
     grammar: object | None = None  # structured output's matcher (scheduler/grammar.py)
+    # Reasoning (grammar_after): the grammar applies once the output ends with these tokens;
+    # () once it does (or from the start).
+    grammar_wait: tuple[int, ...] = ()
     stop_regex: object | None = None  # the output text's stop_regex matcher (scheduler/stop.py)
     arrived: float = field(default_factory=time.monotonic)  # added to the scheduler
     queue_time: float = 0.0  # seconds from arrival to first admission

@@ -155,6 +155,7 @@ class Scheduler:
         self.check_prompt(prompt_ids)
         self.check_priority(priority)
         matcher = self.grammar_matcher(params)
+        wait = self.grammar.wait_for(params.grammar_after, prompt_ids)  # () without a grammar
         seed = params.seed if params.seed is not None else self.rng.getrandbits(62)
         req = Req(
             uid=next(self.uids) if uid is None else uid,
@@ -162,6 +163,7 @@ class Scheduler:
             params=params,
             seed=seed,
             grammar=matcher,
+            grammar_wait=wait,
             priority=priority,
             arrival=next(self.arrivals),
         )
@@ -188,7 +190,10 @@ class Scheduler:
             return None
         if self.spec_k:
             raise ValueError(f"{grammar[0]} is not supported with speculative decoding")
-        return self.grammar.matcher(*grammar)
+        matcher = self.grammar.matcher(*grammar)
+        if params.grammar_after is not None:
+            self.grammar.marker(params.grammar_after)
+        return matcher
 
     def abort(self, uid: int) -> Req | None:
         for req in self.waiting:
@@ -507,7 +512,11 @@ class Scheduler:
             spec = self._spec_request(rows, proposal)
         sampling = self._sampling_rows(sampled) if sampled else None
         constrained = any(q.grammar is not None for q in sampled)
-        bitmask = self.grammar.bitmask([q.grammar for q in sampled]) if constrained else None
+        bitmask = None
+        if constrained:  # rows still waiting for the end of their reasoning are free
+            live = [None if q.grammar_wait else q.grammar for q in sampled]
+            if any(m is not None for m in live):
+                bitmask = self.grammar.bitmask(live)
         prompt_lp = None
         if prompt_lp_reqs:
             k = max(q.params.prompt_logprobs or 0 for q, _ in prompt_lp_reqs)
@@ -682,7 +691,13 @@ def overlap_default(device_type: str, disabled: bool) -> bool:
 
 def _grammar_done(req: Req, token: int) -> bool:
     """Advance the request's matcher by its new token; True once the grammar is complete
-    (it accepted a stop token, or nothing can follow)."""
+    (it accepted a stop token, or nothing can follow). While the request waits for the end
+    of its reasoning the token only counts towards that marker (grammar.py)."""
+    wait = req.grammar_wait
+    if wait:
+        if token == wait[-1] and tuple(req.output_ids[-len(wait) :]) == wait:
+            req.grammar_wait = ()  # the reasoning ended: the grammar applies from now on
+        return False
     matcher: Any = req.grammar
     if not matcher.accept_token(token):
         # Only allowed tokens are sampled; this would be a bug, so end the request visibly.

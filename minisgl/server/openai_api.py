@@ -105,7 +105,7 @@ def stream_usage(
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = server_state(request)
     try:
-        fields = body.sampling_fields()
+        fields = body.sampling_fields(state.reasoning_parser)
         messages = body.message_dicts()
     except ValueError as exc:
         raise bad_request(exc) from None

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from minisgl.sampling_params import SamplingParams
+from minisgl.sampling_params import GRAMMAR_FIELDS, SamplingParams
 from minisgl.scheduler.policy import PRIORITY_MAX, PRIORITY_MIN
+from minisgl.server.reasoning import END as THINK_END
 from minisgl.server.tool_calls import call_grammar, check_tools
 
 MAX_N = 128  # choices per request: more is almost surely a mistake, and each one costs KV
@@ -189,7 +190,15 @@ class ChatCompletionRequest(_OpenAISampling):
             fields["ebnf"] = grammar
         return fields
 
-    def sampling_fields(self) -> dict[str, Any]:
+    @property
+    def thinking(self) -> bool:
+        """Whether the reply may open with thinking: unless ``enable_thinking`` is false."""
+        return (self.chat_template_kwargs or {}).get("enable_thinking") is not False
+
+    def sampling_fields(self, reasoning_parser: str | None = None) -> dict[str, Any]:
+        """With ``reasoning_parser`` (the server's --reasoning-parser) and thinking on, a
+        grammar (response_format, regex, ebnf, a forced tool call) waits for the end of the
+        thinking: the reasoning is free text, the content follows the grammar."""
         max_tokens = (
             self.max_completion_tokens
             if self.max_completion_tokens is not None
@@ -200,6 +209,9 @@ class ChatCompletionRequest(_OpenAISampling):
             raise ValueError("top_logprobs requires logprobs to be true")
         fields["logprobs"] = self.logprobs
         fields["top_logprobs"] = self.top_logprobs or 0
+        grammar = any(name in fields for name in GRAMMAR_FIELDS)
+        if reasoning_parser is not None and self.thinking and grammar:
+            fields["grammar_after"] = THINK_END
         return check_sampling_fields(fields)
 
     def message_dicts(self) -> list[dict[str, Any]]:

@@ -7,7 +7,8 @@
   the thinking and leaves it at ``</think>`` (a reply cut off before that is all thinking).
 
 The text after ``</think>`` (leading newlines dropped) is the content, which tool-call parsing
-then sees.
+then sees. A grammar (response_format, ...) waits for ``</think>`` unless thinking is off: the
+chat route sets ``grammar_after`` (protocol.py; the scheduler's side is scheduler/grammar.py).
 """
 
 from __future__ import annotations

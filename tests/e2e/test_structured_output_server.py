@@ -3,7 +3,9 @@ driven by the official openai client, SGLang's ``regex`` / ``ebnf`` / ``json_sch
 /generate and as OpenAI extras; outputs checked with ``jsonschema`` and ``re.fullmatch``.
 A grammar that does not compile is a 400 naming the field, and the server keeps serving with
 no KV page held. Tool calls (forced by tool_choice, so a model that never calls tools on its
-own still does) and reasoning_content (forced by a grammar) ride on the same mechanism."""
+own still does) and reasoning_content (forced by a grammar) ride on the same mechanism; under
+a reasoning parser a grammar waits for the end of the thinking (few-shot turns make the model
+think on its own)."""
 
 from __future__ import annotations
 
@@ -238,17 +240,63 @@ THINK = 'root ::= "<think>" [a-z]{1,12} " " [a-z]{1,12} "</think>" "\\n\\n" ("Pa
 def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
     client = openai.OpenAI(base_url=thinking_server.url("/v1"), api_key="none", max_retries=0)
     ask = {"model": MODEL, "messages": ASK, "max_tokens": 48, "temperature": 0}
-    out = client.chat.completions.create(**ask, extra_body={"ebnf": THINK})  # type: ignore[call-overload]
+    # A grammar that spells out the thinking itself must apply from the first token: with
+    # thinking on it would wait for "</think>" (test_grammar_waits_for_the_thinking).
+    force = {"ebnf": THINK, "chat_template_kwargs": {"enable_thinking": False}}
+    out = client.chat.completions.create(**ask, extra_body=force)  # type: ignore[call-overload]
     message = out.choices[0].message
     thought = (message.model_extra or {}).get("reasoning_content")
     assert re.fullmatch(r"[a-z]+ [a-z]+", thought or ""), message
     assert message.content in ("Paris.", "Lyon."), message
-    stream = client.chat.completions.create(**ask, stream=True, extra_body={"ebnf": THINK})  # type: ignore[call-overload]
+    stream = client.chat.completions.create(**ask, stream=True, extra_body=force)  # type: ignore[call-overload]
     chunks = [c.choices[0].delta for c in stream if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == thought
     assert "".join(d.content or "" for d in chunks) == message.content
-    kept = client.chat.completions.create(
-        **ask, extra_body={"ebnf": THINK, "separate_reasoning": False}
-    )  # type: ignore[call-overload]
+    kept = client.chat.completions.create(**ask, extra_body={**force, "separate_reasoning": False})  # type: ignore[call-overload]
     assert kept.choices[0].message.content == f"<think>{thought}</think>\n\n{message.content}"
+    wait_idle_and_check(thinking_server)
+
+
+# Three worked turns teach SmolLM2 to think in <think>...</think> before its JSON: a greedy
+# reply then thinks (and ends its thinking) on its own.
+SHOTS = [("Rome", "Rome is big"), ("Oslo", "Oslo is cold"), ("Lima", "Lima is warm")]
+THINKING_ASK = [
+    turn
+    for city, thought in SHOTS
+    for turn in (
+        {"role": "user", "content": f"Describe {city} as JSON."},
+        {"role": "assistant", "content": f'<think>{thought}</think>\n\n{{"city": "{city}"}}'},
+    )
+] + ASK
+
+
+def test_grammar_waits_for_the_thinking(thinking_server: ServerHandle) -> None:
+    """Under --reasoning-parser a response_format leaves the thinking free: reasoning_content
+    is what the model thinks with no format at all, and content matches the schema. With
+    enable_thinking false the schema applies from the first token (the reply is JSON)."""
+    client = openai.OpenAI(base_url=thinking_server.url("/v1"), api_key="none", max_retries=0)
+    ask = {"model": MODEL, "messages": THINKING_ASK, "max_tokens": 64, "temperature": 0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    free = client.chat.completions.create(**ask).choices[0].message  # type: ignore[call-overload]
+    thought = (free.model_extra or {}).get("reasoning_content")
+    assert thought and "{" not in thought, free  # the arrangement: it thinks, then answers
+    out = client.chat.completions.create(**ask, n=2, response_format=fmt)  # type: ignore[call-overload]
+    for choice in out.choices:
+        assert choice.finish_reason == "stop", choice
+        assert (choice.message.model_extra or {}).get("reasoning_content") == thought, choice
+        jsonschema.validate(json.loads(choice.message.content or ""), CITY)
+    stream = client.chat.completions.create(**ask, stream=True, response_format=fmt)  # type: ignore[call-overload]
+    chunks = [c.choices[0].delta for c in stream if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == thought
+    assert json.loads("".join(d.content or "" for d in chunks)) == json.loads(
+        out.choices[0].message.content or ""
+    )
+    off = client.chat.completions.create(
+        **ask,
+        response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )  # type: ignore[call-overload]
+    message = off.choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content") is None, message
+    assert isinstance(json.loads(message.content or ""), dict), message
     wait_idle_and_check(thinking_server)

@@ -1,6 +1,7 @@
 """Reasoning parsers (server/reasoning.py) and the chat reply parser that combines them with
 tool calls (server/chat_reply.py): whole replies, and the same replies streamed in pieces
-split at every position must give the same reasoning, content and calls."""
+split at every position must give the same reasoning, content and calls; and when a chat
+request's grammar waits for the end of the thinking (protocol.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import pytest
 
 from minisgl.server.chat_reply import ChatReplyParser
+from minisgl.server.protocol import ChatCompletionRequest
 from minisgl.server.reasoning import StreamingReasoningParser, split_reasoning
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
@@ -63,3 +65,27 @@ def test_reply_with_thinking_and_calls_streamed_equals_whole(reasoning: str | No
         thought = "".join(d.get("reasoning_content", "") for d in deltas)
         assert thought == ("I should call f." if reasoning else "")
         assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
+
+
+JSON_OBJECT = {"response_format": {"type": "json_object"}}
+
+
+@pytest.mark.parametrize(
+    ("parser", "extra", "want"),
+    [
+        ("qwen3", JSON_OBJECT, "</think>"),
+        ("deepseek-r1", {"regex": "[0-9]+"}, "</think>"),
+        ("qwen3", {**JSON_OBJECT, "separate_reasoning": False}, "</think>"),  # it still thinks
+        ("qwen3", {**JSON_OBJECT, "chat_template_kwargs": {"enable_thinking": True}}, "</think>"),
+        ("qwen3", {**JSON_OBJECT, "chat_template_kwargs": {"enable_thinking": False}}, None),
+        (None, JSON_OBJECT, None),  # no reasoning parser: as before
+        ("qwen3", {}, None),  # no grammar
+    ],
+)
+def test_chat_grammar_waits_for_the_thinking(
+    parser: str | None, extra: dict[str, object], want: str | None
+) -> None:
+    """Under a reasoning parser a chat request's grammar applies after "</think>" (the
+    scheduler's grammar_after), unless the request switched thinking off."""
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **extra)  # type: ignore[arg-type]
+    assert body.sampling_fields(parser)["grammar_after"] == want

@@ -9,6 +9,7 @@ compile is a ValueError naming its field that queues nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -135,6 +136,115 @@ def test_preemption_keeps_the_grammar_state(llm: LLM) -> None:
         assert_engine_clean(small)
 
 
+# Reasoning (grammar_after): three worked turns teach the model to think in <think>...</think>
+# before its JSON, so a greedy reply thinks on its own and then ends its thinking.
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "big": {"type": "boolean"}},
+    "required": ["city", "big"],
+    "additionalProperties": False,
+}
+SHOTS = [("Rome", "Rome is big"), ("Oslo", "Oslo is cold"), ("Lima", "Lima is warm")]
+THINKING_CHAT = [
+    turn
+    for city, thought in SHOTS
+    for turn in (
+        {"role": "user", "content": f"Describe {city} as JSON."},
+        {"role": "assistant", "content": f'<think>{thought}</think>\n\n{{"city": "{city}"}}'},
+    )
+] + [{"role": "user", "content": "Describe Paris as JSON."}]
+CITY_RE = r'\{"city": "[A-Z][a-z]+"\}'
+
+
+def _after_thinking(llm: LLM, free: list[int], out: dict[str, Any]) -> str:
+    """The constrained output's text after its thinking, which must be the free output's up
+    to and including "</think>" (the grammar left the thinking alone)."""
+    marker = llm.tokenizer.encode("</think>", add_special_tokens=False)
+    n = len(marker)
+    end = next(i + n for i in range(len(free)) if free[i : i + n] == marker)
+    assert out["token_ids"][:end] == free[:end], (out["text"], llm.tokenizer.decode(free))
+    assert out["finish_reason"] == "stop", out
+    return str(llm.tokenizer.decode(out["token_ids"][end:], skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_grammar_waits_for_the_end_of_the_thinking(llm: LLM, overlap: bool) -> None:
+    """With grammar_after the thinking is free text (the same tokens as with no grammar at
+    all) and what follows "</think>" matches the grammar; without it the grammar constrains
+    from the first token, as before. Rows of both kinds and a free row share the batches."""
+    prompt = llm.apply_chat_template(THINKING_CHAT)
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=48))[0]
+    assert re.match(r"<think>[^<]+</think>", free["text"]), free  # the arrangement holds
+    schema = json.dumps(CITY)
+    params = [
+        SamplingParams(temperature=0, max_tokens=64, json_schema=schema, grammar_after="</think>"),
+        SamplingParams(temperature=0, max_tokens=48, regex=CITY_RE, grammar_after="</think>"),
+        SamplingParams(temperature=0, max_tokens=64, json_schema=schema),
+        SamplingParams(temperature=0, max_tokens=48),
+    ]
+    llm.scheduler.overlap = overlap
+    try:
+        outs = llm.generate([prompt] * len(params), params)
+        twins = llm.generate(prompt, dataclasses.replace(params[0], n=2))
+    finally:
+        llm.scheduler.overlap = False
+    jsonschema.validate(json.loads(_after_thinking(llm, free["token_ids"], outs[0])), CITY)
+    assert re.fullmatch(CITY_RE, _after_thinking(llm, free["token_ids"], outs[1])), outs[1]
+    assert not outs[2]["text"].startswith("<think>")  # no grammar_after: JSON from the start
+    jsonschema.validate(json.loads(outs[2]["text"]), CITY)
+    assert outs[3]["token_ids"] == free["token_ids"]
+    assert [t["token_ids"] for t in twins] == [outs[0]["token_ids"]] * 2  # n=2: a matcher each
+    assert_engine_clean(llm)
+
+
+def test_a_prompt_that_closed_the_thinking_is_constrained_at_once(llm: LLM) -> None:
+    """A prompt that already ends with "</think>" (then whitespace, as Qwen3's template with
+    enable_thinking false writes it) gets the grammar from the first token: the output is
+    what it is without grammar_after. A thinking block left open is waited for."""
+    prompt = llm.apply_chat_template(THINKING_CHAT)
+    closed = prompt + llm.tokenizer.encode(
+        "<think>Paris is big</think>\n\n", add_special_tokens=False
+    )
+    opened = prompt + llm.tokenizer.encode("<think>", add_special_tokens=False)
+    marker = tuple(llm.tokenizer.encode("</think>", add_special_tokens=False))
+    assert llm.scheduler.grammar.wait_for("</think>", closed) == ()
+    assert llm.scheduler.grammar.wait_for("</think>", opened) == marker
+    schema = json.dumps(CITY)
+    plain = SamplingParams(temperature=0, max_tokens=64, json_schema=schema)
+    waits = dataclasses.replace(plain, grammar_after="</think>")
+    outs = llm.generate([closed, closed, opened], [plain, waits, waits])
+    assert outs[1]["token_ids"] == outs[0]["token_ids"]
+    jsonschema.validate(json.loads(outs[1]["text"]), CITY)
+    thought, _, content = outs[2]["text"].partition("</think>")
+    assert thought and "{" not in thought, outs[2]  # free text, then the JSON
+    jsonschema.validate(json.loads(content), CITY)
+    assert_engine_clean(llm)
+
+
+def test_preemption_while_thinking(llm: LLM) -> None:
+    """Requests retracted before, while or after their thinking resume where they were (still
+    waiting for "</think>", or with their matcher's state): the outputs equal those of a pool
+    large enough for all, and each is free thinking, then the grammar."""
+    cities = ["Paris", "Berlin", "Madrid", "Vienna"]
+    prompts = [
+        llm.apply_chat_template(
+            THINKING_CHAT[:-1] + [{"role": "user", "content": f"Describe {c} as JSON."}]
+        )
+        for c in cities
+    ]
+    params = SamplingParams(temperature=0, max_tokens=40, regex=CITY_RE, grammar_after="</think>")
+    want = [o["token_ids"] for o in llm.generate(prompts, params)]
+    with LLM(num_pages=200, init_new_token_ratio=0.05, chunked_prefill_size=32) as small:
+        outs = small.generate(prompts, params)
+        assert small.scheduler.num_retractions > 0, "the small pool was meant to preempt"
+        assert [o["token_ids"] for o in outs] == want
+        for out in outs:
+            thought, _, content = out["text"].partition("</think>")
+            assert thought.startswith("<think>") and "{" not in thought, out
+            assert re.fullmatch(CITY_RE, content) and out["finish_reason"] == "stop", out
+        assert_engine_clean(small)
+
+
 @pytest.mark.parametrize(
     ("fields", "field"),
     [
@@ -163,6 +273,8 @@ def test_a_grammar_that_does_not_compile_queues_nothing(
         ({"json_schema": "[1, 2]"}, "json_schema must be a JSON object"),
         ({"regex": ""}, "regex must be a non-empty string"),
         ({"regex": "a+", "min_tokens": 2, "max_tokens": 4}, "min_tokens must be 0"),
+        ({"grammar_after": "</think>"}, "grammar_after requires json_schema, regex or ebnf"),
+        ({"regex": "a", "grammar_after": ""}, "grammar_after must be None or a non-empty"),
     ],
 )
 def test_invalid_grammar_fields_are_value_errors(fields: dict[str, Any], message: str) -> None:
