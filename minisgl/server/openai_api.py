@@ -57,7 +57,10 @@ def completion_logprobs(
     prompt_tokens: list[str] | None = None,
     prompt_entries: list[TokenLogprob] | None = None,
 ) -> dict[str, Any]:
-    """Legacy completions logprobs; text_offset counts from ``offset`` (the text before)."""
+    """Legacy completions logprobs. text_offset (as vLLM's) is where each token starts in the
+    choice's ``text`` (with echo, the prompt's text first): ``offset`` plus the length of the
+    tokens before it. OpenAI's legacy API counted from the start of the prompt even without
+    echo; counting from the returned text is what vLLM does and what indexes ``text``."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
@@ -240,6 +243,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     async def stream(group: RequestGroup, first: TextOutput) -> AsyncIterator[str]:
         results = [SequenceResult() for _ in group.rids]
         extra = stream_usage(body, results, n, state.speculative)
+        # Per choice: the text_offset of its next token. It advances by the tokens' own text,
+        # not by the text sent so far (held back while it may begin a stop string, or an
+        # unfinished character), so the offsets are those of the non-streamed response.
         offsets = [0] * len(group.rids)
 
         def choice_chunk(i: int, text: str, logprobs: Any, finish: str | None) -> str:
@@ -255,7 +261,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                 logprobs = completion_logprobs(
                     out.logprobs or [], offsets[i], out.prompt_token_strs, out.prompt_logprobs
                 )
-            offsets[i] += len(text)
+                offsets[i] += sum(map(len, logprobs["tokens"]))
             if out.finished or text or logprobs:
                 return choice_chunk(i, text, logprobs, out.finish_reason)
             return None

@@ -285,6 +285,64 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def _streamed_logprobs(chunks: list[Any]) -> dict[str, list[Any]]:
+    """Every choice-0 logprobs field of a completions stream, concatenated in order."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}  # fmt: skip
+    for ch in chunks:
+        for c in ch.choices:
+            if c.logprobs is not None:
+                for key, values in out.items():
+                    values += getattr(c.logprobs, key)
+    return out
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_completion_logprobs_streamed_as_whole(
+    client: openai.OpenAI, tokenizer: Any, echo: bool
+) -> None:
+    """Streamed logprobs=2: one entry per completion token (usage's count; with echo, the
+    prompt's tokens first), the same tokens, logprobs, alternatives and text_offset as the
+    non-streamed response. text_offset is where a token starts in the choice's ``text``
+    (with echo the prompt's text comes first), as vLLM counts it: OpenAI's legacy API counted
+    from the start of the prompt even without echo, which indexes no text the client gets.
+    A stop string that begins like the completion but never matches holds the streamed text
+    back: the offsets must still follow the tokens, not the text sent so far."""
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    first = tokenizer.decode(tokenizer.encode(plain.choices[0].text)[:1])
+    stop = plain.choices[0].text[: len(first) + 1] + "\u2603"  # held back, never matched
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, seed=5, logprobs=2,
+        echo=echo, stop=[stop],
+    )  # fmt: skip
+    full = client.completions.create(**kwargs)
+    choice = full.choices[0]
+    assert choice.logprobs is not None and full.usage is not None
+    whole = {k: list(getattr(choice.logprobs, k)) for k in _streamed_logprobs([]).keys()}
+    prompt_tokens = full.usage.prompt_tokens if echo else 0
+    assert len(whole["tokens"]) == prompt_tokens + full.usage.completion_tokens
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    streamed = _streamed_logprobs(chunks)
+    assert chunks[-1].usage is not None
+    assert len(streamed["tokens"]) == prompt_tokens + chunks[-1].usage.completion_tokens
+    assert "".join(c.text for ch in chunks for c in ch.choices) == choice.text
+    assert streamed["tokens"] == whole["tokens"]
+    assert streamed["text_offset"] == whole["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-4)
+    assert [t and set(t) for t in streamed["top_logprobs"]] == [
+        t and set(t) for t in whole["top_logprobs"]
+    ]
+    # Offsets: from 0, increasing, each token's text found at its offset in the choice's text.
+    offsets, tokens, text = whole["text_offset"], whole["tokens"], choice.text
+    assert offsets[0] == 0
+    assert all(b == a + len(t) for a, b, t in zip(offsets, offsets[1:], tokens))
+    assert all(b > a for a, b, t in zip(offsets, offsets[1:], tokens) if t)
+    for off, tok in zip(offsets, tokens):
+        if off + len(tok) <= len(text):
+            assert text[off : off + len(tok)] == tok, (off, tok, text)
+
+
 def test_seed_reproducible(client: openai.OpenAI) -> None:
     def ask() -> str:
         r = client.chat.completions.create(
