@@ -47,6 +47,9 @@ from minisgl.tokenizer.stop_regex import StopRegexFilter
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 1000  # how often an idle worker checks that its parent is still alive
+# vLLM's floor for logprobs: a token a grammar ruled out has log(0) = -inf, which JSON cannot
+# carry (a non-streamed response failed with a 500; a stream sent "-Infinity").
+LOGPROB_FLOOR = -9999.0
 
 
 @dataclass(frozen=True)
@@ -241,8 +244,10 @@ class Worker:
                 text += stream.regexes.flush()
         for lp in (out.logprobs or []) + (out.prompt_logprobs or []):
             lp.token = self.token_text(lp.token_id)
+            lp.logprob = max(lp.logprob, LOGPROB_FLOOR)
             for alt in lp.top:
                 alt.token = self.token_text(alt.token_id)
+                alt.logprob = max(alt.logprob, LOGPROB_FLOOR)
         result = TextOutput(
             rid=out.rid,
             text=text,

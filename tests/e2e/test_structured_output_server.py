@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from tests.e2e.server_utils import (
     ServerHandle,
@@ -224,6 +226,45 @@ def test_tool_call_streamed_and_answered(client: openai.OpenAI) -> None:
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def chat_logprobs_streamed_as_whole(client: openai.OpenAI, **ask: Any) -> ChatCompletion:
+    """A greedy chat request with logprobs (top 2), whole and streamed: one logprobs entry
+    per completion token (what usage counts; nothing the reply parsers hold back or split
+    off is dropped or repeated), the same entries both ways. Tokens a grammar rules out have
+    log(0) = -inf among the alternatives: they come as vLLM's floor, -9999, valid JSON."""
+    kwargs = dict(model=MODEL, temperature=0, logprobs=True, top_logprobs=2, **ask)
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    ChatCompletion.model_validate(whole.model_dump())
+    assert whole.usage is not None and whole.choices[0].logprobs is not None
+    content = whole.choices[0].logprobs.content or []
+    assert len(content) == whole.usage.completion_tokens
+    stream = client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}
+    )  # type: ignore[call-overload]
+    chunks = list(stream)
+    streamed = [
+        e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content or []
+    ]
+    assert chunks[-1].usage is not None
+    assert len(streamed) == chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert all(-9999 <= t.logprob <= 0 for t in e.top_logprobs)
+    return whole
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tool_call_logprobs_streamed_as_whole(client: openai.OpenAI, tool_choice: Any) -> None:
+    out = chat_logprobs_streamed_as_whole(
+        client, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=64
+    )
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert len(out.choices[0].message.tool_calls or []) == 1
+
+
 @pytest.fixture(scope="module")
 def thinking_server() -> Iterator[ServerHandle]:
     """The default model behind --reasoning-parser qwen3; its replies are made to think by a
@@ -254,6 +295,11 @@ def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
     assert "".join(d.content or "" for d in chunks) == message.content
     kept = client.chat.completions.create(**ask, extra_body={**force, "separate_reasoning": False})  # type: ignore[call-overload]
     assert kept.choices[0].message.content == f"<think>{thought}</think>\n\n{message.content}"
+    # Logprobs with the reasoning parser: every token's entry, thinking included.
+    logged = chat_logprobs_streamed_as_whole(
+        client, messages=ASK, max_tokens=48, extra_body={"ebnf": THINK}
+    )
+    assert logged.choices[0].message.content == message.content
     wait_idle_and_check(thinking_server)
 
 
