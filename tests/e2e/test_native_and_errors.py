@@ -56,6 +56,32 @@ def test_generate_stream_and_stop(default_server: ServerHandle) -> None:
     assert stopped["output_ids"] == full["output_ids"][:3]
 
 
+def test_generate_eos_stop_names_the_token(default_server: ServerHandle, tokenizer: Any) -> None:
+    """A natural end of turn: SmolLM2-Instruct answers the chat prompt (greedy) and ends with
+    its EOS, <|im_end|>. Like SGLang, finish_reason is {"type": "stop", "matched": <EOS id>}
+    (the EOS id is the last output id; its text is not in the text), whole and streamed; the
+    OpenAI route reports the same id as matched_stop."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+    status, out = default_server.post("/generate", body)
+    assert status == 200, out
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "stop", "matched": eos}, out
+    assert out["output_ids"][-1] == eos and meta["completion_tokens"] < 32
+    assert "Paris" in out["text"] and "<|im_end|>" not in out["text"]
+    status, text = http("POST", default_server.url("/generate"), {**body, "stream": True})
+    assert status == 200
+    last = sse_events(text)[-1]
+    assert last["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    assert last["text"] == out["text"]
+    status, chat = default_server.post("/v1/chat/completions", {**GOOD_CHAT, "max_tokens": 32})
+    assert status == 200, chat
+    assert chat["choices"][0]["finish_reason"] == "stop"
+    assert chat["choices"][0]["matched_stop"] == eos
+
+
 def test_raw_openai_sse_framing(default_server: ServerHandle) -> None:
     """Byte-level SSE: ``data: {json}\n\n`` per event and one final ``data: [DONE]\n\n``."""
     body = {**GOOD_CHAT, "stream": True, "stream_options": {"include_usage": True}}

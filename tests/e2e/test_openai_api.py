@@ -216,6 +216,39 @@ def test_n_choices(client: openai.OpenAI, tokenizer: Any) -> None:
     assert sorted(roles) == [0, 1]
 
 
+def test_completions_prompt_list_with_n(client: openai.OpenAI, tokenizer: Any) -> None:
+    """prompt=[a, b], n=2: four choices, index = prompt_index * n + j (OpenAI's and vLLM's
+    order), one finish_reason each; usage counts each prompt once (not once per choice, as
+    vLLM) and sums the four completions. Streamed and not."""
+    other = "Hello, my name is"
+    kwargs: dict[str, Any] = dict(
+        model=MODEL, prompt=[PROMPT, other], n=2, max_tokens=3, temperature=0,
+        echo=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    prompt_tokens = len(tokenizer.encode(PROMPT)) + len(tokenizer.encode(other))
+    resp = client.completions.create(**kwargs)
+    Completion.model_validate(resp.model_dump())
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    assert [c.text.startswith(PROMPT) for c in resp.choices] == [True, True, False, False]
+    assert [c.text.startswith(other) for c in resp.choices] == [False, False, True, True]
+    assert [c.finish_reason for c in resp.choices] == ["length"] * 4
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == prompt_tokens
+    assert resp.usage.completion_tokens == 4 * 3
+    chunks = list(
+        client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
+    )
+    check_stream_finishes(chunks[:-1], 4)
+    texts = ["", "", "", ""]
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in resp.choices]  # greedy: the same choices, in order
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, 12)
+
+
 def _stop_across_tokens(client: openai.OpenAI, tokenizer: Any) -> tuple[str, str]:
     """A greedy completion and a stop string that straddles a token boundary in it."""
     base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
