@@ -11,9 +11,15 @@ from minisgl.server.tool_calls import StreamingToolParser
 
 
 class ChatReplyParser:
-    def __init__(self, reasoning_parser: str | None, tools: bool) -> None:
+    """``parallel_tool_calls=False`` keeps only the first of the reply's calls (as vLLM does; a
+    forced tool_choice's grammar allows one call anyway)."""
+
+    def __init__(
+        self, reasoning_parser: str | None, tools: bool, parallel_tool_calls: bool = True
+    ) -> None:
         self.reasoning = StreamingReasoningParser(reasoning_parser) if reasoning_parser else None
         self.tools = StreamingToolParser() if tools else None
+        self.parallel_tool_calls = parallel_tool_calls
 
     def feed(self, text: str) -> dict[str, str]:
         """The delta fields this piece of the reply makes certain (possibly none)."""
@@ -27,6 +33,8 @@ class ChatReplyParser:
         calls: list[dict[str, Any]] = []
         if self.tools is not None:
             rest, calls = self.tools.finish()
+            if not self.parallel_tool_calls:
+                calls = calls[:1]
             if rest:
                 delta["content"] = delta.get("content", "") + rest
         return delta, calls

@@ -129,7 +129,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     def parser() -> ChatReplyParser | None:
         if reasoning is None and not body.uses_tools:
             return None
-        return ChatReplyParser(reasoning, body.uses_tools)
+        return ChatReplyParser(reasoning, body.uses_tools, body.parallel_tool_calls is not False)
 
     def full(results: list[SequenceResult]) -> dict[str, Any]:
         choices = []

@@ -153,7 +153,7 @@ class ChatCompletionRequest(_OpenAISampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools (server/tool_calls.py)
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
-    parallel_tool_calls: bool | None = None  # accepted; a forced choice makes one call
+    parallel_tool_calls: bool | None = None  # false: only the reply's first call is kept
     # vLLM / SGLang chat extensions, applied when the tokenizer worker renders the template.
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     continue_final_message: bool = False

@@ -254,15 +254,41 @@ def chat_logprobs_streamed_as_whole(client: openai.OpenAI, **ask: Any) -> ChatCo
     return whole
 
 
-@pytest.mark.parametrize(
-    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_tool_call_logprobs_streamed_as_whole(client: openai.OpenAI, tool_choice: Any) -> None:
+def test_tool_call_logprobs_streamed_as_whole(client: openai.OpenAI) -> None:
     out = chat_logprobs_streamed_as_whole(
-        client, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=64
+        client, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice="required", max_tokens=64
     )
     assert out.choices[0].finish_reason == "tool_calls"
     assert len(out.choices[0].message.tool_calls or []) == 1
+
+
+# Two calls in a row, forced by a grammar while tool_choice stays "auto" (the model is free
+# to call tools, and parsing is not limited to one call by a forced choice's grammar).
+TWO_CALLS = "root ::= " + json.dumps(
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+)
+
+
+def test_parallel_tool_calls_false_returns_one_call(client: openai.OpenAI) -> None:
+    """parallel_tool_calls=false: at most one call comes back, the reply's first (vLLM keeps
+    the first too), whole and streamed. The finish reason shows the grammar ran to its end,
+    so both calls were generated (without the flag both come back: unit-tested)."""
+    ask: dict[str, Any] = dict(
+        model=MODEL, messages=WEATHER_Q, tools=[WEATHER, TIME], tool_choice="auto",
+        max_tokens=160, temperature=0, extra_body={"ebnf": TWO_CALLS}, parallel_tool_calls=False,
+    )  # fmt: skip
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]  # type: ignore[union-attr]
+    assert calls == [("get_time", "{}")]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function and d.function.name) for d in deltas] == [(0, "get_time")]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == ["tool_calls"]
 
 
 @pytest.fixture(scope="module")

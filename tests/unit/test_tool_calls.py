@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from minisgl.server.chat_reply import ChatReplyParser
 from minisgl.server.protocol import ChatCompletionRequest, param_of
 from minisgl.server.tool_calls import (
     StreamingToolParser,
@@ -76,6 +77,21 @@ def test_streaming_equals_full_parse_at_every_split(text: str) -> None:
                 assert sent.strip() == (want_content or "")
             else:
                 assert sent == text
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool) -> None:
+    """vLLM's rule: with parallel_tool_calls false only the reply's first call comes back,
+    whole or streamed in pieces; the content before the calls is kept either way."""
+    want = ["get_weather", "get_time"] if parallel else ["get_weather"]
+    message, calls = ChatReplyParser(None, True, parallel).whole(REPLY)
+    assert [c["function"]["name"] for c in calls] == want
+    assert message["tool_calls"] == calls and message["content"] == "Let me check."
+    reply = ChatReplyParser(None, True, parallel)
+    sent = "".join(reply.feed(REPLY[i : i + 5]).get("content", "") for i in range(0, len(REPLY), 5))
+    last, streamed = reply.finish()
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+    assert (sent + last.get("content", "")).strip() == "Let me check."
 
 
 @pytest.mark.parametrize(
