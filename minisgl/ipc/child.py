@@ -87,7 +87,7 @@ def parent_alive(parent_pid: int) -> bool:
 @contextlib.contextmanager
 def startup_report(name: str, queue: Any) -> Iterator[Callable[[dict[str, Any]], None]]:
     """Wrap a child's start-up: ``ready(info)`` reports success; an exception escaping the
-    block is reported as the startup error (then re-raised so the child exits non-zero)."""
+    block is reported as the startup error, and the child exits 1 (SystemExit)."""
     reported = False
 
     def send(report: ChildReport) -> None:
@@ -102,10 +102,19 @@ def startup_report(name: str, queue: Any) -> Iterator[Callable[[dict[str, Any]],
     try:
         yield lambda info: send(ChildReport(name, True, info))
     except BaseException as exc:
-        if not reported:
-            send(ChildReport(name, False, error=_describe(exc)))
-        raise
+        if reported:
+            raise
+        send(ChildReport(name, False, error=_describe(exc)))
+        # The parent logs the report; run_child exits 1 without logging the error again.
+        raise SystemExit(1) from exc
 
 
 def _describe(exc: BaseException) -> str:
+    """The startup error as the parent logs it. A ValueError is a setting the user can fix
+    (a model path, an unsupported architecture, a quantization): its message alone says what
+    to change (the traceback goes to this child's debug log). Anything else is a bug or an
+    environment problem: the whole traceback."""
+    if isinstance(exc, ValueError):
+        logging.getLogger(__name__).debug("startup failed", exc_info=exc)
+        return f"{type(exc).__name__}: {exc}"
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()

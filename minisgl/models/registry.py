@@ -23,5 +23,8 @@ def build_model(cfg: ModelConfig, tp: TPInfo, max_position: int) -> nn.Module:
     try:
         cls = MODEL_REGISTRY[cfg.architecture]
     except KeyError:
-        raise ValueError(f"unsupported architecture {cfg.architecture!r}") from None
+        raise ValueError(
+            f"unsupported model architecture {cfg.architecture!r}; supported: "
+            + ", ".join(MODEL_REGISTRY)
+        ) from None
     return cls(cfg, tp, max_position)  # type: ignore[call-arg]

@@ -4,6 +4,7 @@ by the tiny_server fixture's teardown.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from tests.e2e.server_utils import REPO, http, pid_alive, start_server, wait_until
 
@@ -51,6 +54,39 @@ def test_startup_error_is_reported(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 1
     assert "failed to start" in proc.stderr and "does not exist" in proc.stderr
+
+
+def _gemma3_checkpoint(path: Path) -> Path:
+    """A Hugging Face directory of an architecture minisgl does not implement: its config (no
+    weights: the architecture is refused before any are read) and a working tokenizer, so the
+    tokenizer worker starts fine and the only error is the architecture's."""
+    from tests.helpers import TINY_BASE, save_tiny_tokenizer
+
+    config = {**TINY_BASE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_tiny_tokenizer(path, int(config["vocab_size"]))
+    return path
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    """LLM(path) raises a ValueError naming the architecture and the supported ones; the
+    server exits 1 with that message on stderr, once, and no traceback (a user's setting,
+    not a bug: the traceback is in the child's debug log)."""
+    from minisgl import LLM
+
+    model = _gemma3_checkpoint(tmp_path / "gemma3")
+    with pytest.raises(ValueError, match="'Gemma3ForCausalLM'.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(model))
+    proc = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(model), "--port", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert "scheduler-tp0 failed to start" in proc.stderr
+    assert proc.stderr.count("unsupported model architecture 'Gemma3ForCausalLM'") == 1
+    assert "supported: LlamaForCausalLM" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_busy_port_fails_fast() -> None:
