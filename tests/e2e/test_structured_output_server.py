@@ -322,9 +322,7 @@ def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
     kept = client.chat.completions.create(**ask, extra_body={**force, "separate_reasoning": False})  # type: ignore[call-overload]
     assert kept.choices[0].message.content == f"<think>{thought}</think>\n\n{message.content}"
     # Logprobs with the reasoning parser: every token's entry, thinking included.
-    logged = chat_logprobs_streamed_as_whole(
-        client, messages=ASK, max_tokens=48, extra_body={"ebnf": THINK}
-    )
+    logged = chat_logprobs_streamed_as_whole(client, messages=ASK, max_tokens=48, extra_body=force)
     assert logged.choices[0].message.content == message.content
     wait_idle_and_check(thinking_server)
 
