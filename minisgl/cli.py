@@ -139,8 +139,8 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server protection")
     group.add_argument(
         "--api-key", default=None, metavar="KEY",
-        help=f"require 'Authorization: Bearer KEY' on every route but /health "
-        f"(default: ${API_KEY_ENV} if set, else no authentication)",
+        help="require 'Authorization: Bearer KEY' on every route but /health and "
+        f"/health_generate (default: ${API_KEY_ENV} if set, else no authentication)",
     )  # fmt: skip
     group.add_argument(
         "--max-queued-requests", type=_number(int, 0, "--max-queued-requests"), default=None,
@@ -151,6 +151,12 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=_number(float, 0.001, "--request-timeout"), default=None,
         metavar="S", help="abort requests still unfinished S seconds after arrival, freeing "
         "their KV (HTTP 504 / an error event) (default: none)",
+    )  # fmt: skip
+    group.add_argument(
+        "--health-timeout", type=_number(float, 0.1, "--health-timeout"), default=60.0,
+        metavar="S", help="/health answers 503 once the scheduler has left a liveness ping "
+        "unanswered for S seconds (it looks hung; one step may legitimately take long, e.g. "
+        "a huge prefill); /health_generate waits at most S for output (default: 60)",
     )  # fmt: skip
     group.add_argument(
         "--max-request-bytes", type=_number(int, 1, "--max-request-bytes"), default=8 << 20,
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             max_queued_requests=args.max_queued_requests,
             request_timeout=args.request_timeout,
+            health_timeout=args.health_timeout,
             max_request_bytes=args.max_request_bytes,
             shutdown_timeout=args.shutdown_timeout,
             reasoning_parser=args.reasoning_parser,

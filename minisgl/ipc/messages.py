@@ -75,7 +75,7 @@ class AbortRequests:
 @dataclass
 class ControlRequest:
     cid: int
-    kind: str  # "flush_cache" | "integrity" | "stats"
+    kind: str  # "flush_cache" | "integrity" | "stats" | "ping"
 
 
 @message

@@ -230,7 +230,9 @@ class SchedulerLoop:
                 if req is not None and rid in self.live:
                     outputs.append(self._progress(req))
         elif isinstance(msg, ControlRequest):
-            if msg.kind == "stats":
+            if msg.kind == "ping":  # liveness (server/frontend.py): the loop is turning
+                self._send(ControlReply(msg.cid, True))
+            elif msg.kind == "stats":
                 if self.sync.reads_inbox:  # a read of rank 0's state: no other rank is needed
                     self._send(ControlReply(msg.cid, True, self._stats()))
             elif msg.kind in ("integrity", "flush_cache"):

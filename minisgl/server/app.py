@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -13,13 +14,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minisgl.server import native_api, openai_api, responses_api
 from minisgl.server.errors import APIError, error_response, install_error_handlers
-from minisgl.server.frontend import ServiceUnavailable
+from minisgl.server.frontend import Frontend, ServiceUnavailable, make_items
 from minisgl.server.guards import APIKeyGuard, BodySizeLimit
 from minisgl.server.state import ServerState, server_state
 
 logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 5.0
+HEALTH_GENERATE_POLL_S = 0.05
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
@@ -69,18 +71,61 @@ def create_app(
     app.include_router(responses_api.router)
     app.include_router(native_api.router)
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/health_generate", health_generate, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app
 
 
-async def health(request: Request) -> Response:
-    frontend = server_state(request).frontend
+def _unhealthy(frontend: Frontend) -> Response | None:
     if frontend.dead_reason is not None:
         return error_response(503, f"unhealthy: {frontend.dead_reason}")
     if frontend.draining:
         return error_response(503, "the server is shutting down")
+    stalled = frontend.stalled()
+    if stalled is not None:
+        return error_response(503, f"unhealthy: {stalled}")
+    return None
+
+
+async def health(request: Request) -> Response:
+    """For load balancers, and cheap: a child died, the server is draining, or the scheduler
+    left a liveness ping unanswered for longer than --health-timeout (it looks hung): 503."""
+    return _unhealthy(server_state(request).frontend) or JSONResponse({"status": "ok"})
+
+
+async def health_generate(request: Request) -> Response:
+    """SGLang's probe through the whole generation path: submit a one-token greedy request
+    (prompt: token 0) and answer 200 as soon as any generation output reaches the server
+    after it was sent (its own, or, on a busy server, another request's: progress either
+    way); 503 if none comes within --health-timeout, or once /health would say 503. The
+    probe is aborted if unfinished (freeing its KV) and kept out of the metrics."""
+    frontend = server_state(request).frontend
+    early = _unhealthy(frontend)
+    if early is not None:
+        return early
+    sent = time.monotonic()
+    try:
+        group = frontend.submit(
+            make_items([[0]], [{"max_tokens": 1, "temperature": 0.0}]), probe=True
+        )
+    except ServiceUnavailable as exc:
+        return error_response(503, f"unhealthy: {exc}")
+    try:
+        while frontend.last_output_at <= sent:
+            failed = _unhealthy(frontend)
+            if failed is not None:
+                return failed
+            if time.monotonic() - sent > frontend.health_timeout:
+                return error_response(
+                    503,
+                    "unhealthy: no generation output within the health timeout "
+                    f"({frontend.health_timeout:g}s)",
+                )
+            await asyncio.sleep(HEALTH_GENERATE_POLL_S)
+    finally:
+        group.close()
     return JSONResponse({"status": "ok"})
 
 

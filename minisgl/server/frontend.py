@@ -8,6 +8,7 @@ it is closed, so no per-request state outlives its HTTP request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -33,6 +34,14 @@ from minisgl.ipc.messages import (
 from minisgl.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+
+# Liveness (see Frontend.stalled): the scheduler answers a "ping" control message from its
+# loop, between steps. A ping unanswered for the health timeout makes /health 503. The default
+# is generous because one step can legitimately block the loop for long: a huge prefill, or
+# the first use of a kernel shape compiling (Triton JIT) on a GPU; a load balancer that pulls
+# a busy but working server out of rotation does more harm than one that notices a hang late.
+DEFAULT_HEALTH_TIMEOUT_S = 60.0
+PING_INTERVAL_S = 5.0  # at most; a quarter of the timeout when that is shorter
 
 
 class ServiceUnavailable(RuntimeError):
@@ -104,6 +113,7 @@ class RequestGroup:
         self.arrival = time.perf_counter()
         self.last_token_at: dict[int, float] = {}  # per sequence, for inter-token latency
         self.timer: asyncio.TimerHandle | None = None  # the request timeout, if any
+        self.probe = False  # a /health_generate request: kept out of the metrics
         self.closed = False
         self.name: str | None = None  # the id the client sees (for /abort_request)
 
@@ -164,10 +174,18 @@ class Frontend:
         addresses: sockets.IpcAddresses,
         metrics: ServerMetrics,
         request_timeout: float | None = None,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT_S,
     ) -> None:
         self.addresses = addresses
         self.metrics = metrics
         self.request_timeout = request_timeout
+        self.health_timeout = health_timeout
+        self.ping_interval = min(PING_INTERVAL_S, health_timeout / 4)
+        # When the oldest ping not yet answered was sent (None: the last one was answered),
+        # and when outputs last arrived (for /health_generate): monotonic seconds.
+        self.unanswered_since: float | None = None
+        self.last_output_at = float("-inf")
+        self._heartbeat_task: asyncio.Task[None] | None = None
         self.draining = False
         self.groups: dict[int, RequestGroup] = {}
         self.named: dict[str, RequestGroup] = {}  # by the id the client sees
@@ -194,9 +212,15 @@ class Frontend:
         self._inbox_fd = fd
         self.loop.add_reader(fd, self._drain_inbox)
         self._drain_inbox()  # the descriptor signals edges: take what came before the reader
+        self._heartbeat_task = self.loop.create_task(self._heartbeat())
 
     async def stop(self) -> None:
         self.dead_reason = self.dead_reason or "the server is shutting down"
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat_task
+            self._heartbeat_task = None
         if self.loop is not None and self._inbox_fd is not None:
             self.loop.remove_reader(self._inbox_fd)
             self._inbox_fd = None
@@ -205,7 +229,7 @@ class Frontend:
         self.sync_ctx.term()
 
     # ------------------------------------------------------------ requests
-    def submit(self, items: list[SubmitItem]) -> RequestGroup:
+    def submit(self, items: list[SubmitItem], probe: bool = False) -> RequestGroup:
         if not items:  # a group of no requests would never finish: its reply would hang
             raise ValueError("the request holds no prompt")
         if self.dead_reason is not None:
@@ -221,6 +245,7 @@ class Frontend:
             # e.g. an integer beyond 64 bits that pydantic accepted: the client's mistake.
             raise ValueError(f"the request holds a value that is out of range: {exc}") from None
         group = RequestGroup(self, [item.rid for item in items])
+        group.probe = probe
         for rid in group.rids:
             self.groups[rid] = group
         self.to_worker.send(payload, copy=False)
@@ -243,7 +268,8 @@ class Frontend:
         for rid in group.rids:
             self.groups.pop(rid, None)
         if unfinished and self.dead_reason is None:
-            self.metrics.aborted_requests.inc(len(unfinished))
+            if not group.probe:
+                self.metrics.aborted_requests.inc(len(unfinished))
             sockets.send(self.to_worker, AbortRequests(unfinished))
 
     def _expire(self, group: RequestGroup) -> None:
@@ -312,6 +338,38 @@ class Frontend:
         finally:
             self.controls.pop(cid, None)
 
+    # ------------------------------------------------------------ liveness
+    async def _heartbeat(self) -> None:
+        """Ping the scheduler (through the tokenizer worker: the whole request path) every
+        ``ping_interval`` seconds, one ping in flight at a time. A ping still unanswered after
+        the health timeout is sent again (its late answer is dropped) but the stall is dated
+        from the first one, so a hung loop stays unhealthy until it answers."""
+        while self.dead_reason is None:
+            if self.unanswered_since is None:
+                self.unanswered_since = time.monotonic()
+            try:
+                await self.control("ping", self.health_timeout)
+            except asyncio.TimeoutError:
+                continue
+            except ServiceUnavailable:
+                return
+            self.unanswered_since = None
+            await asyncio.sleep(self.ping_interval)
+
+    def stalled(self) -> str | None:
+        """Why the engine looks hung (a ping unanswered for longer than the health timeout),
+        or None. Cheap: reads what the heartbeat recorded."""
+        since = self.unanswered_since
+        if since is None:
+            return None
+        waited = time.monotonic() - since
+        if waited <= self.health_timeout:
+            return None
+        return (
+            f"the scheduler has not answered a liveness ping for {waited:.0f}s "
+            f"(health timeout {self.health_timeout:g}s): it looks hung"
+        )
+
     # ------------------------------------------------------------ receiving
     def _drain_inbox(self) -> None:
         """Route every message that has arrived; never waits. Reading until the socket is
@@ -330,6 +388,7 @@ class Frontend:
 
     def _handle(self, msg: object) -> None:
         if isinstance(msg, TextOutputs):
+            self.last_output_at = time.monotonic()
             now = time.perf_counter()
             for out in msg.outputs:
                 self._route(out, now)
@@ -342,7 +401,8 @@ class Frontend:
         group = self.groups.get(out.rid)
         if group is None:
             return  # the HTTP request is gone (client disconnected); it was aborted
-        self.metrics.observe_output(group, out, now)
+        if not group.probe:
+            self.metrics.observe_output(group, out, now)
         if out.finished:
             group.unfinished.discard(out.rid)
             self.groups.pop(out.rid, None)

@@ -15,8 +15,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minisgl.server.errors import error_response
 from minisgl.server.metrics import ServerMetrics
 
-# Orchestrators and load balancers probe this without credentials.
-OPEN_PATHS = frozenset({"/health"})
+# Orchestrators and load balancers probe these without credentials. SGLang leaves every path
+# under /health open, /health_generate included: its one-token greedy generation is no more
+# than any probe costs, and probes seldom carry credentials.
+OPEN_PATHS = frozenset({"/health", "/health_generate"})
 # A refused body is still read (and dropped) up to this multiple of the limit before the 413
 # goes out: a client that writes its whole body before reading (urllib, curl) would otherwise
 # see the connection reset instead of the answer. Bigger bodies are cut off at once.
@@ -29,7 +31,7 @@ def _digest(value: bytes) -> bytes:
 
 
 class APIKeyGuard:
-    """Every route but /health requires ``Authorization: Bearer <key>``; otherwise 401."""
+    """Every route but the health probes requires ``Authorization: Bearer <key>``; otherwise 401."""
 
     def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
         self.app = app

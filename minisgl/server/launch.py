@@ -56,6 +56,7 @@ class ServerArgs:
     api_key: str | None = field(default=None, repr=False)  # never printed, see __repr__
     max_queued_requests: int | None = None  # waiting requests beyond this get 503
     request_timeout: float | None = None  # seconds from arrival to abort
+    health_timeout: float = 60.0  # an unanswered liveness ping makes /health 503 after this
     max_request_bytes: int = 8 << 20
     shutdown_timeout: float = 30.0  # SIGTERM: how long running requests may still take
     reasoning_parser: str | None = None  # chat replies: thinking into reasoning_content
@@ -321,7 +322,7 @@ def _make_server(
         engine=engine_info,
     )
     metrics = ServerMetrics()
-    frontend = Frontend(runtime.addresses, metrics, args.request_timeout)
+    frontend = Frontend(runtime.addresses, metrics, args.request_timeout, args.health_timeout)
     state = ServerState(info, frontend, metrics, int(time.time()), args.reasoning_parser)
 
     def on_started() -> None:

@@ -172,7 +172,7 @@ def test_every_route_but_health_needs_the_key(guarded: ServerHandle, headers: di
     for method, path in routes:
         body = {} if method == "POST" else None
         reply = request(guarded, method, path, body, headers=headers)
-        if path == "/health":
+        if path in ("/health", "/health_generate"):  # open, as in SGLang
             assert reply.status == 200, reply
             continue
         assert reply.status == 401, (method, path, reply)
@@ -399,6 +399,41 @@ def test_sigterm_under_load_drains_then_stops(tiny_long_model: Path) -> None:
     assert "shutting down: refusing new requests" in log
     assert "timeout graceful shutdown exceeded" not in log  # every answer went out in time
     assert_clean_log(server)
+
+
+# ---------------------------------------------------------------- hung scheduler
+def test_health_reports_a_hung_scheduler(tiny_model: Path) -> None:
+    """A scheduler that is alive but stuck (SIGSTOP): /health and /health_generate turn 503
+    within the health timeout, and back to 200 once it runs again; the probes leak no KV."""
+    server = start_server(["--model", str(tiny_model), "--health-timeout", "2"])
+    try:
+        scheduler = server.child_pids()["scheduler-tp0"]
+        assert call(server, "GET", "/health") == (200, {"status": "ok"})
+        assert call(server, "GET", "/health_generate") == (200, {"status": "ok"})
+        os.kill(scheduler, signal.SIGSTOP)
+        try:
+            stopped = time.monotonic()
+            status, body = call(server, "GET", "/health_generate")
+            assert status == 503 and "unhealthy" in error_of(body, 503), body
+            assert time.monotonic() - stopped < 6
+            # One ping interval (timeout / 4) plus the timeout, at most.
+            assert wait_until(lambda: call(server, "GET", "/health")[0] == 503, 6, 0.1)
+            assert time.monotonic() - stopped < 8
+            status, body = call(server, "GET", "/health")
+            assert "liveness ping" in error_of(body, 503), body
+            status, body = call(server, "GET", "/health_generate")  # answers at once now
+            assert status == 503 and "liveness ping" in error_of(body, 503), body
+        finally:
+            os.kill(scheduler, signal.SIGCONT)
+        assert wait_until(lambda: call(server, "GET", "/health")[0] == 200, 10, 0.1)
+        assert call(server, "GET", "/health_generate") == (200, {"status": "ok"})
+        status, body = call(server, "POST", "/v1/completions", {"prompt": "t5", "max_tokens": 3})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+        check_idle(server)  # the probes aborted while it was stopped freed their KV
+        # The probes stay out of the request metrics: only the completion is counted.
+        assert metric(server, "minisgl_requests_total") == 1
+    finally:
+        stop_and_check(server)
 
 
 # ---------------------------------------------------------------- leak guard
