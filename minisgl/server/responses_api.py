@@ -46,6 +46,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | ...}}
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: only the reply's first call is kept
     previous_response_id: str | None = None
     store: bool | None = None  # accepted; nothing is stored
     metadata: dict[str, str] | None = None
@@ -76,6 +77,7 @@ class ResponsesRequest(BaseModel):
             response_format=fmt,
             tools=[_chat_tool(t) for t in self.tools] if self.tools else None,
             tool_choice=_chat_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls,
             priority=self.priority,
         )
 
@@ -149,19 +151,12 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
     created = time.time()
 
     tools = chat.uses_tools
-
-    def output_items(text: str) -> tuple[list[dict[str, Any]], bool]:
-        """The reply as output items (a message; function calls), and whether it called."""
-        if not tools:
-            return [_item(msg_id, "completed", text)], False
-        message, calls = ChatReplyParser(None, True).whole(text)
-        items = [_item(msg_id, "completed", message["content"])] if message["content"] else []
-        return items + [_function_call(c) for c in calls], bool(calls)
+    parallel = body.parallel_tool_calls is not False
 
     def response(status: str, result: SequenceResult | None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": rid, "object": "response", "created_at": created, "model": state.served_model_name,
-            "status": status, "output": [], "parallel_tool_calls": True,
+            "status": status, "output": [], "parallel_tool_calls": parallel,
             "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
             "tools": [_response_tool(t) for t in body.tools or []], "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "metadata": body.metadata or {},
@@ -170,7 +165,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         }  # fmt: skip
         if result is None:
             return out
-        out["output"], _ = output_items(result.text)
+        out["output"] = output_items(msg_id, result.text, tools, parallel)
         if result.finish_reason == "length":
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -201,7 +196,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             + event("response.content_part.added", **where, part=_part(""))
         )  # fmt: skip
         results = [SequenceResult()]
-        parser = ChatReplyParser(None, True) if tools else None
+        parser = ChatReplyParser(None, True, parallel) if tools else None
         sent: list[str] = []  # the message text streamed so far (calls held back)
 
         def render(_: int, out: TextOutput) -> str | None:
@@ -246,6 +241,18 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             yield data
 
     return await respond(request, group, body.stream, stream, full)
+
+
+def output_items(
+    msg_id: str, text: str, tools: bool, parallel_tool_calls: bool = True
+) -> list[dict[str, Any]]:
+    """A whole reply as output items: its message (if any text), then its function calls;
+    ``parallel_tool_calls`` false keeps only the first call (the chat rule, chat_reply.py)."""
+    if not tools:
+        return [_item(msg_id, "completed", text)]
+    message, calls = ChatReplyParser(None, True, parallel_tool_calls).whole(text)
+    items = [_item(msg_id, "completed", message["content"])] if message["content"] else []
+    return items + [_function_call(c) for c in calls]
 
 
 def _function_call(call: dict[str, Any]) -> dict[str, Any]:

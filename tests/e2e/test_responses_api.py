@@ -137,6 +137,26 @@ def test_function_call_forced_streamed_and_answered(client: openai.OpenAI) -> No
     assert follow.status in ("completed", "incomplete") and follow.usage is not None
 
 
+def test_parallel_tool_calls_echoed_and_applied(client: openai.OpenAI) -> None:
+    """The request's parallel_tool_calls comes back (true unless set, as OpenAI's default), in
+    the whole response and in the stream's; false keeps only the reply's first call (the chat
+    rule; a two-call reply is unit-tested in tests/unit/test_tool_calls.py)."""
+    pytest.importorskip("xgrammar")
+    ask = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER],
+           "tool_choice": "required", "max_output_tokens": 96, "temperature": 0,
+           "parallel_tool_calls": False}  # fmt: skip
+    resp = client.responses.create(**ask)  # type: ignore[call-overload]
+    assert resp.parallel_tool_calls is False
+    assert [item.type for item in resp.output].count("function_call") == 1, resp.output
+    events = list(client.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    assert events[0].response.parallel_tool_calls is False  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.parallel_tool_calls is False
+    assert [item.type for item in final.output].count("function_call") == 1, final.output
+    plain = client.responses.create(model=MODEL, input=ASK, max_output_tokens=2)
+    assert plain.parallel_tool_calls is True
+
+
 @pytest.mark.parametrize(
     ("extra", "field"),
     [
