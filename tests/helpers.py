@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,86 @@ def shared_prefix_workload(
         for _ in prompts
     ]
     return prompts, params
+
+
+def abort_mix_workload(
+    seed: int = 0, long_tokens: tuple[int, int] = (16, 32)
+) -> list[tuple[list[int], Any, int]]:
+    """(prompt, params, wave) for 18 greedy requests: long decodes of ``long_tokens`` (a
+    range; half of them behind a shared prefix) alternating with one short prompt repeated, max_tokens 1 or 2 (finished in
+    their first steps); wave w joins after step (0, 2, 5)[w]."""
+    from minisgl import SamplingParams
+
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, 256) for _ in range(40)]
+    short = [17, 18, 19, 20, 21, 22]
+    out = []
+    for i in range(18):
+        if i % 2 == 0:
+            tail = [rng.randrange(3, 256) for _ in range(rng.randint(5, 120))]
+            prompt, n = (shared if i % 4 == 0 else []) + tail, rng.randint(*long_tokens)
+        else:
+            prompt, n = short, 1 + (i // 2) % 2
+        out.append((prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), i // 6))
+    return out
+
+
+# Each victim (every third request) is aborted once it is unfinished and this holds; "last"
+# (num_generated reaches max_tokens) is only reachable under overlap scheduling, with the
+# last token in flight: the finishing step (SGLang PR #111: freed twice).
+ABORT_AT: dict[int, int | str] = {2: 0, 5: "last", 8: 3, 11: 1, 14: "last", 17: "last"}
+
+
+def run_abort_mix(
+    llm: Any,
+    before_abort: Callable[[Any], None] | None = None,
+    long_tokens: tuple[int, int] = (16, 32),
+) -> tuple[list[Any], set[int]]:
+    """Drive ``llm``'s scheduler through ``abort_mix_workload`` step by step, aborting the
+    victims of ``ABORT_AT`` between steps, until idle. Returns the requests and the indices
+    that were aborted (``before_abort`` sees each victim just before)."""
+    sched = llm.scheduler
+    work = abort_mix_workload(long_tokens=long_tokens)
+    joins = {0: 0, 1: 2, 2: 5}
+    reqs: list[Any] = [None] * len(work)
+    aborted: set[int] = set()
+    for step in range(1000):
+        for i, (prompt, params, wave) in enumerate(work):
+            if joins[wave] == step:
+                reqs[i] = sched.add_request(prompt, params)
+        for i, at in ABORT_AT.items():
+            req = reqs[i]
+            if req is None or req.finished or i in aborted:
+                continue
+            limit = req.params.max_tokens if at == "last" else at
+            if req.num_generated >= limit:
+                if before_abort is not None:
+                    before_abort(req)
+                assert sched.abort(req.uid) is req
+                assert req.finished and req.finish_reason == "abort"
+                assert sched.abort(req.uid) is None  # freed once: a second abort finds nothing
+                aborted.add(i)
+        if step > max(joins.values()) and not sched.has_work:
+            break
+        sched.step()
+    else:
+        raise AssertionError("the scheduler never went idle")
+    sched.drain()
+    return reqs, aborted
+
+
+def check_abort_mix(reqs: list[Any], aborted: set[int], ref: list[Any], overlap: bool) -> None:
+    """Survivors' tokens equal the reference run's; an aborted request kept a prefix of them.
+    Under overlap every victim was aborted, a finishing-step victim with its in-flight last
+    sample dropped; without it the finishing-step victims completed."""
+    last = {i for i, at in ABORT_AT.items() if at == "last"}
+    assert aborted == (set(ABORT_AT) if overlap else set(ABORT_AT) - last)
+    for i, (req, want) in enumerate(zip(reqs, ref)):
+        if i in aborted:
+            assert req.finish_reason == "abort", i
+            assert req.output_ids == want.output_ids[: len(req.output_ids)], i
+            if i in last:
+                assert len(req.output_ids) == req.params.max_tokens - 1, i
+        else:
+            assert req.finish_reason == "length", (i, req.finish_reason)
+            assert req.output_ids == want.output_ids, i
