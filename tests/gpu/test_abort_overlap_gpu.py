@@ -1,0 +1,105 @@
+"""Aborts under overlap scheduling and CUDA graphs with a device that lags the host (run
+through the device tool: `python -m pytest tests/gpu/test_abort_overlap_gpu.py -m gpu`).
+
+Every forward first puts the device to sleep (``torch.cuda._sleep``), so each step's batch
+is still running when the host returns from ``step()`` and aborts. Long decodes run beside
+a short prompt repeated with max_tokens 1-2 (finished in their first steps); every third
+request is aborted at a varied point: waiting, mid-decode, and right after its last token
+was launched (the finishing step: SGLang PR #111, a request freed twice; #58, an illegal
+memory access when the device lags the host). Survivors' greedy tokens must equal an eager
+no-overlap run of the same requests (aborted at the same points) and nothing may leak.
+tests/unit/test_abort_mix.py runs the same driver on the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl import LLM, SamplingParams
+from tests.conftest import assert_engine_clean
+from tests.helpers import ABORT_AT, check_abort_mix, make_tiny_model, run_abort_mix
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+LAG_CYCLES = 10**7  # about 5 ms of device sleep before every forward
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 64: FlashInfer's prefill kernels have no configuration for the default 32.
+    return make_tiny_model(
+        tmp_path_factory.mktemp("abort") / "qwen3",
+        "qwen3",
+        max_position_embeddings=2048,
+        head_dim=64,
+    )
+
+
+def _lag_device(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test-local: every forward (eager or graph replay) first launches a device sleep."""
+    engine = llm.engine
+    run_model = engine.run_model
+
+    def lagging(*args: Any, **kwargs: Any) -> torch.Tensor:
+        torch.cuda._sleep(LAG_CYCLES)  # type: ignore[attr-defined]
+        return run_model(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "run_model", lagging)
+
+
+def _device_busy(llm: LLM) -> bool:
+    """The batch in flight has not finished on the device yet."""
+    batch = llm.scheduler.inflight
+    event = batch.output.event if batch is not None and batch.output is not None else None
+    return event is not None and not event.query()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "flashinfer"])
+def test_aborts_under_overlap_graphs_and_a_lagging_device(
+    tiny: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend == "flashinfer":
+        pytest.importorskip("flashinfer")
+    # FlashInfer needs 16-bit; the others run fp32, where greedy ties are implausible.
+    dtype = "bfloat16" if backend == "flashinfer" else "float32"
+    opts: dict[str, Any] = dict(dtype=dtype, attention_backend=backend, chunked_prefill_size=64)
+
+    base = LLM(str(tiny), cuda_graph_max_bs=0, disable_overlap_scheduling=True, **opts)
+    assert not base.scheduler.overlap
+    ref, ref_aborted = run_abort_mix(base)
+    check_abort_mix(ref, ref_aborted, ref, overlap=False)
+    assert_engine_clean(base)
+    base.close()
+
+    llm = LLM(str(tiny), **opts)
+    assert llm.scheduler.overlap
+    runner = llm.engine.graph_runner
+    # CUDA graphs are captured for the triton backend only (the others run eagerly).
+    assert (runner is not None) == (backend == "triton")
+    _lag_device(llm, monkeypatch)
+    busy: dict[int, bool] = {}
+
+    def before_abort(req: Any) -> None:
+        busy[req.uid] = _device_busy(llm)
+
+    reqs, aborted = run_abort_mix(llm, before_abort)
+    check_abort_mix(reqs, aborted, ref, overlap=True)
+    # Each finishing-step abort came while its last token's batch still ran on the device.
+    for i, at in ABORT_AT.items():
+        if at == "last":
+            assert busy[reqs[i].uid], (i, busy)
+    if runner is not None:
+        assert runner.replays["decode"] > 0, runner.replays
+    torch.cuda.synchronize()  # any fault of the lagging batches surfaces here
+    assert_engine_clean(llm)
+    # The engine keeps serving after the aborts.
+    two = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert llm.generate([ref[1].prompt_ids], two)[0]["token_ids"] == ref[3].output_ids
+    assert_engine_clean(llm)
