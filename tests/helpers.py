@@ -241,3 +241,22 @@ def check_abort_mix(reqs: list[Any], aborted: set[int], ref: list[Any], overlap:
         else:
             assert req.finish_reason == "length", (i, req.finish_reason)
             assert req.output_ids == want.output_ids, i
+
+
+# Three worked turns that teach the default model (SmolLM2) to think in <think>...</think>
+# before its JSON: a greedy reply to ``thinking_chat(city)`` then thinks, and ends its
+# thinking, on its own (structured output that waits for the thinking, grammar_after).
+THINKING_SHOTS = [("Rome", "Rome is big"), ("Oslo", "Oslo is cold"), ("Lima", "Lima is warm")]
+
+
+def thinking_chat(city: str = "Paris") -> list[dict[str, str]]:
+    """The worked turns, then the question about ``city``."""
+    turns = [
+        turn
+        for shot, thought in THINKING_SHOTS
+        for turn in (
+            {"role": "user", "content": f"Describe {shot} as JSON."},
+            {"role": "assistant", "content": f'<think>{thought}</think>\n\n{{"city": "{shot}"}}'},
+        )
+    ]
+    return turns + [{"role": "user", "content": f"Describe {city} as JSON."}]

@@ -24,6 +24,7 @@ from tests.e2e.server_utils import (
     start_server,
     wait_idle_and_check,
 )
+from tests.helpers import thinking_chat
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -327,17 +328,7 @@ def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
     wait_idle_and_check(thinking_server)
 
 
-# Three worked turns teach SmolLM2 to think in <think>...</think> before its JSON: a greedy
-# reply then thinks (and ends its thinking) on its own.
-SHOTS = [("Rome", "Rome is big"), ("Oslo", "Oslo is cold"), ("Lima", "Lima is warm")]
-THINKING_ASK = [
-    turn
-    for city, thought in SHOTS
-    for turn in (
-        {"role": "user", "content": f"Describe {city} as JSON."},
-        {"role": "assistant", "content": f'<think>{thought}</think>\n\n{{"city": "{city}"}}'},
-    )
-] + ASK
+THINKING_ASK = thinking_chat()  # ends with ASK's question
 
 
 def test_grammar_waits_for_the_thinking(thinking_server: ServerHandle) -> None:

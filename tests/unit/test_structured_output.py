@@ -21,6 +21,7 @@ import torch
 from minisgl import LLM, SamplingParams
 from minisgl.engine.logit_mask import apply_token_bitmask
 from tests.conftest import assert_engine_clean
+from tests.helpers import thinking_chat
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -136,23 +137,15 @@ def test_preemption_keeps_the_grammar_state(llm: LLM) -> None:
         assert_engine_clean(small)
 
 
-# Reasoning (grammar_after): three worked turns teach the model to think in <think>...</think>
-# before its JSON, so a greedy reply thinks on its own and then ends its thinking.
+# Reasoning (grammar_after): worked turns (tests/helpers.py) make a greedy reply think on its
+# own and then end its thinking.
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 12}, "big": {"type": "boolean"}},
     "required": ["city", "big"],
     "additionalProperties": False,
 }
-SHOTS = [("Rome", "Rome is big"), ("Oslo", "Oslo is cold"), ("Lima", "Lima is warm")]
-THINKING_CHAT = [
-    turn
-    for city, thought in SHOTS
-    for turn in (
-        {"role": "user", "content": f"Describe {city} as JSON."},
-        {"role": "assistant", "content": f'<think>{thought}</think>\n\n{{"city": "{city}"}}'},
-    )
-] + [{"role": "user", "content": "Describe Paris as JSON."}]
+THINKING_CHAT = thinking_chat()
 CITY_RE = r'\{"city": "[A-Z][a-z]+"\}'
 
 
@@ -226,12 +219,7 @@ def test_preemption_while_thinking(llm: LLM) -> None:
     waiting for "</think>", or with their matcher's state): the outputs equal those of a pool
     large enough for all, and each is free thinking, then the grammar."""
     cities = ["Paris", "Berlin", "Madrid", "Vienna"]
-    prompts = [
-        llm.apply_chat_template(
-            THINKING_CHAT[:-1] + [{"role": "user", "content": f"Describe {c} as JSON."}]
-        )
-        for c in cities
-    ]
+    prompts = [llm.apply_chat_template(thinking_chat(c)) for c in cities]
     params = SamplingParams(temperature=0, max_tokens=40, regex=CITY_RE, grammar_after="</think>")
     want = [o["token_ids"] for o in llm.generate(prompts, params)]
     with LLM(num_pages=200, init_new_token_ratio=0.05, chunked_prefill_size=32) as small:
