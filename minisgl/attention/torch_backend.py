@@ -60,9 +60,17 @@ def _pad_group(
     kv_index = torch.where(kv_pos[None, :] < seq[:, None], kv_index, 0)
     flat = torch.tensor([starts[i] for i in rows], device=device)[:, None] + q_off[None, :]
     q_pad_index = torch.where(valid_q, flat, total).reshape(-1)
-    q_unpad_index = (torch.arange(bsz, device=device)[:, None] * max_q + q_off[None, :])[valid_q]
+    # Boolean-mask indexing on the device would sync the host (its size is data-dependent):
+    # the gather indices are built from the host's lengths and copied over instead.
+    host_off = torch.arange(max_q)
+    host_valid = host_off[None, :] < torch.tensor(exts)[:, None]
+    q_unpad_index = (torch.arange(bsz)[:, None] * max_q + host_off[None, :])[host_valid]
+    q_unpad_index = q_unpad_index.to(device, non_blocking=True)
     in_order = rows == list(range(len(layout.req_rows)))
-    tokens = None if in_order else flat[valid_q]
+    tokens = None
+    if not in_order:
+        host_flat = torch.tensor([starts[i] for i in rows])[:, None] + host_off[None, :]
+        tokens = host_flat[host_valid].to(device, non_blocking=True)
     return PaddedGroup(kv_index, q_pad_index, q_unpad_index, tokens, mask.unsqueeze(1), bsz, max_q)
 
 
