@@ -33,6 +33,13 @@ class TorchMetadata:
     num_tokens: int
 
 
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A host list on the device without a host sync: a plain ``torch.tensor(values,
+    device=...)`` waits for the stream after its pageable copy (so would drain the device
+    under overlap scheduling); the asynchronous copy stages the values before it returns."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def _pad_group(
     layout: BatchLayout, rows: list[int], starts: list[int], total: int, device: torch.device
 ) -> PaddedGroup:
@@ -41,12 +48,12 @@ def _pad_group(
     prefixes = [layout.prefix_lens[i] for i in rows]
     bsz, max_q = len(rows), max(exts)
     max_kv = max(p + e for p, e in zip(prefixes, exts))
-    table_rows = torch.tensor([layout.req_rows[i] for i in rows], device=device)
+    table_rows = _to_device([layout.req_rows[i] for i in rows], device)
     kv_index = layout.page_table[table_rows, :max_kv].long()
     kv_pos = torch.arange(max_kv, device=device)
     q_off = torch.arange(max_q, device=device)
-    prefix = torch.tensor(prefixes, device=device)
-    ext = torch.tensor(exts, device=device)
+    prefix = _to_device(prefixes, device)
+    ext = _to_device(exts, device)
     seq = prefix + ext
     # Query i of row b sits at absolute position prefix[b] + i and sees keys <= that.
     q_abs = prefix[:, None] + q_off[None, :]
@@ -58,7 +65,7 @@ def _pad_group(
     # Padded query rows must still see one key, or softmax yields NaN.
     mask[..., 0] |= ~valid_q
     kv_index = torch.where(kv_pos[None, :] < seq[:, None], kv_index, 0)
-    flat = torch.tensor([starts[i] for i in rows], device=device)[:, None] + q_off[None, :]
+    flat = _to_device([starts[i] for i in rows], device)[:, None] + q_off[None, :]
     q_pad_index = torch.where(valid_q, flat, total).reshape(-1)
     # Boolean-mask indexing on the device would sync the host (its size is data-dependent):
     # the gather indices are built from the host's lengths and copied over instead.

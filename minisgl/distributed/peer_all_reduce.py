@@ -9,7 +9,9 @@ reused. One kernel, a few microseconds, capturable in CUDA graphs.
 
 The all-reduces that feed a residual add + RMSNorm (every o_proj and down_proj) run fused
 with it instead, in one kernel of our own over buffers of the same kind
-(kernels/all_reduce_norm.py; MINISGL_FUSED_ALL_REDUCE_NORM=0 turns that off).
+(kernels/all_reduce_norm.py; MINISGL_FUSED_ALL_REDUCE_NORM=0 turns that off). At batch 1
+the o_proj / down_proj GEMV pushes its rows to the peers itself, and the norm kernel only
+polls (`lamport_push`; MINISGL_GEMV_PUSH=0 turns that off).
 
 Bigger tensors (prefill) and dtypes the kernel lacks go to NCCL. Two ranks sum a + b
 either way, so the result equals NCCL's exactly. ``--disable-custom-all-reduce`` (or no
@@ -20,8 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from minisgl.kernels.all_reduce_norm import LamportPush
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,10 @@ class PeerAllReduce:
             self.buffers[dtype] = buf
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
         self.fuse_norm = os.environ.get("MINISGL_FUSED_ALL_REDUCE_NORM", "1") != "0"
+        self.gemv_push = os.environ.get("MINISGL_GEMV_PUSH", "1") != "0"
+        # The partial sum a GEMV has pushed for the next add_rms_norm call (lamport_push).
+        self._pushed: torch.Tensor | None = None
+        self.pushes = 0  # GEMV calls set up to push (host side; a graph replays them)
         if self.fuse_norm:
             self.rank = dist.get_rank(group)
             world = dist.get_world_size(group)
@@ -96,7 +106,7 @@ class PeerAllReduce:
         """Whether ``add_rms_norm`` can take these (else: all-reduce, then the norm)."""
         from minisgl.kernels.all_reduce_norm import programs
 
-        return (
+        takes = (
             self.fuse_norm
             and x.dim() == 2
             and x.dtype in _NORM_DTYPES
@@ -105,6 +115,34 @@ class PeerAllReduce:
             and programs(x.shape[0], x.shape[1]) <= NORM_MAX_PROGRAMS
             and (residual is None or residual.stride(1) == 1)
         )
+        # Rows already pushed must be consumed by this kernel, or a peer would read them as
+        # the rows of a later call.
+        assert takes or self._pushed is None, "pushed rows left to an unfused all-reduce"
+        return takes
+
+    def lamport_push(self, rows: int, n_cols: int, dtype: torch.dtype) -> LamportPush | None:
+        """Where a GEMV whose [rows, n_cols] result goes straight into `add_rms_norm` may
+        push that result to the peers itself (then `mark_pushed` it), or None: off, or a
+        shape the fused all-reduce has not been set up for."""
+        if not (self.fuse_norm and self.gemv_push) or dtype not in _NORM_DTYPES:
+            return None
+        if self._norm_shape != (n_cols, dtype.itemsize):
+            return None
+        if rows * n_cols * dtype.itemsize > NORM_SLOT_BYTES:
+            return None
+        from minisgl.kernels.all_reduce_norm import LamportPush
+        from minisgl.kernels.norm import row_tile
+
+        assert self._pushed is None, "a GEMV pushed rows that no all-reduce consumed"
+        own = self.norm_buf.view(dtype)
+        slot_elems = NORM_SLOT_BYTES // dtype.itemsize
+        block_m = row_tile(n_cols)[0]
+        return LamportPush(own, self.norm_bufs, self.norm_epochs, slot_elems, self.rank, block_m)
+
+    def mark_pushed(self, y: torch.Tensor) -> None:
+        """``y`` was pushed (`lamport_push`): the next `add_rms_norm` must be on it."""
+        self._pushed = y
+        self.pushes += 1
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -119,10 +157,13 @@ class PeerAllReduce:
         if self._norm_shape is None:
             self._norm_shape = shape
         assert shape == self._norm_shape, f"fused all-reduce rows {shape} != {self._norm_shape}"
+        pushed = self._pushed is not None
+        assert not pushed or self._pushed is x, "pushed rows are not this all-reduce's"
+        self._pushed = None
         slot_elems = NORM_SLOT_BYTES // x.element_size()
         return all_reduce_add_rms_norm(
             x, residual, weight, eps, self.norm_buf, self.norm_bufs, self.norm_epochs, slot_elems,
-            self.rank,
+            self.rank, pushed,
         )  # fmt: skip
 
 

@@ -28,9 +28,19 @@ without host state (CUDA graphs replay it unchanged). A rank writes a peer's slo
 e + 2 only after it has read that peer's rows of call e + 1, which the peer wrote after its
 call e had read slot s and reset it (stream order), so nothing unread is overwritten and
 every reset lands before the next write.
+
+The push may also come earlier, from the batch-1 GEMV that computes the partial sum
+(kernels/gemv.py with a ``LamportPush``): each GEMV program stores its own output columns
+into the peers' slots as soon as they are summed, so the rows travel while the GEMV's other
+programs still run, and this kernel (``pushed=True``) only reads its own rows and polls.
+The GEMV reads the epoch the call will use (the counter + 1) after its PDL wait, when the
+previous call of the same program has stored it; the ordering argument above is unchanged,
+since the GEMV comes after the previous all-reduce in stream order, as this kernel does.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,7 +56,8 @@ def _all_reduce_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, own_ptr, bufs_ptr, epochs_ptr,
     n_rows, n_cols, stride_x, stride_r, slot_elems, eps,
     RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr, ELEM_BYTES: tl.constexpr,
-    HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_RES: tl.constexpr, PUSHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -70,18 +81,10 @@ def _all_reduce_add_rms_norm_kernel(
     x = tl.load(x_ptr + (rows * stride_x)[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RES:  # requested now, so that it arrives while the peers' rows travel
         r = tl.load(res_ptr + (rows * stride_r)[:, None] + cols[None, :], mask=mask, other=0.0)
-    # The one partial that could pass for "not yet written" (all ones, a NaN) goes as another
-    # NaN (all ones but the last bit), to the peers and into this rank's own sum alike, so
-    # every rank sums the same bits. (On the bits: Triton 3.6's interpreter has no bf16 NaN
-    # constant.)
-    xb = x.to(bits_ty, bitcast=True)
-    x = tl.where(xb == -1, xb - 1, xb).to(dtype, bitcast=True)
-    for q in tl.static_range(WORLD):
-        if q != RANK:
-            # Rank q's buffer as an offset from this rank's, in elements: a multiple of 16
-            # (buffers are 16-byte aligned at least), which lets the stores vectorise.
-            peer = tl.multiple_of((_pick(buf_addrs, ranks, q) - own_addr) // ELEM_BYTES, 16)
-            tl.store(own_ptr + peer + parity_off + RANK * slot_elems + row_off, x, mask=mask)
+    x = sendable(x, ELEM_BYTES)
+    if not PUSHED:  # else the GEMV that computed x has pushed it already
+        dst = parity_off + RANK * slot_elems + row_off
+        push(own_ptr, buf_addrs, ranks, own_addr, x, dst, mask, RANK, WORLD, ELEM_BYTES)
 
     # Sum in rank order, rounding after each add like a chain of dtype additions.
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -115,6 +118,31 @@ def _all_reduce_add_rms_norm_kernel(
 
 
 @triton.jit
+def sendable(x, ELEM_BYTES: tl.constexpr):
+    """x, with the one partial that could pass for "not yet written" (all ones, a NaN) as
+    another NaN (all ones but the last bit): it goes so to the peers and into this rank's own
+    sum alike, so every rank sums the same bits. (On the bits: Triton 3.6's interpreter has
+    no bf16 NaN constant.)"""
+    bits_ty = tl.int16 if ELEM_BYTES == 2 else tl.int32
+    xb = x.to(bits_ty, bitcast=True)
+    return tl.where(xb == -1, xb - 1, xb).to(x.dtype, bitcast=True)
+
+
+@triton.jit
+def push(
+    own_ptr, buf_addrs, ranks, own_addr, x, dst, mask,
+    RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr,
+):  # fmt: skip
+    """Stores x at element offsets ``dst`` of every peer's buffer (remote stores)."""
+    for q in tl.static_range(WORLD):
+        if q != RANK:
+            # Rank q's buffer as an offset from this rank's, in elements: a multiple of 16
+            # (buffers are 16-byte aligned at least), which lets the stores vectorise.
+            peer = tl.multiple_of((_pick(buf_addrs, ranks, q) - own_addr) // ELEM_BYTES, 16)
+            tl.store(own_ptr + peer + dst, x, mask=mask)
+
+
+@triton.jit
 def _pick(values, index, i: tl.constexpr):
     """values[i] of a small vector already in registers (no memory access)."""
     return tl.sum(tl.where(index == i, values, 0), axis=0)
@@ -123,6 +151,20 @@ def _pick(values, index, i: tl.constexpr):
 def programs(n_rows: int, n_cols: int) -> int:
     """Programs (one epoch each) that a call on [n_rows, n_cols] launches."""
     return cdiv(n_rows, row_tile(n_cols)[0])
+
+
+@dataclass(frozen=True)
+class LamportPush:
+    """Where a GEMV pushes its output rows for the all-reduce that follows it (see above):
+    the buffers, epochs and slot size of `all_reduce_add_rms_norm`, and ``block_m``, the rows
+    per program of that call (row r's epoch is ``epochs[r // block_m]``)."""
+
+    own: torch.Tensor  # this rank's buffer, viewed in the pushed dtype
+    bufs: torch.Tensor
+    epochs: torch.Tensor
+    slot_elems: int
+    rank: int
+    block_m: int
 
 
 def all_reduce_add_rms_norm(
@@ -135,6 +177,7 @@ def all_reduce_add_rms_norm(
     epochs: torch.Tensor,
     slot_elems: int,
     rank: int,
+    pushed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(sum + residual) * weight, sum + residual), sum = x summed over the ranks.
 
@@ -142,7 +185,8 @@ def all_reduce_add_rms_norm(
     int64 [world], every rank's (own's and its peers' copies) as addresses in this process,
     16-byte aligned: 2 x world slots of ``slot_elems`` of x's dtype (slot
     (parity, source rank)), all bytes 0xFF (SENTINEL) at start; epochs: int64 [max programs],
-    this rank's own, zero at start. Every rank must make the same calls in the same order."""
+    this rank's own, zero at start. Every rank must make the same calls in the same order.
+    ``pushed``: the GEMV that computed x pushed it to the peers already (a `LamportPush`)."""
     n_rows, d = x.shape
     world = bufs.numel()
     assert x.stride(1) == 1 and n_rows * d <= slot_elems, (x.stride(), n_rows, slot_elems)
@@ -163,7 +207,7 @@ def all_reduce_add_rms_norm(
         n_rows, d, x.stride(0), residual.stride(0) if residual is not None else 0, slot_elems,
         eps, RANK=rank, WORLD=world, WORLD_P2=triton.next_power_of_2(world),
         ELEM_BYTES=x.element_size(),
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RES=residual is not None, PUSHED=pushed, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip
     return out, res_out

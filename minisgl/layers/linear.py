@@ -171,6 +171,8 @@ class RowParallelLinear(_Int4Mixin, nn.Module):
         the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
         if self.int4_group:
             y = int4_forward(self, x, None)
+        elif not reduce and (pushed := self._pushing_gemv(x)) is not None:
+            return pushed
         else:
             y = linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles)
         if reduce or self.tp.size == 1:
@@ -179,4 +181,25 @@ class RowParallelLinear(_Int4Mixin, nn.Module):
             return y
         if self.bias is not None:
             y = y + self.bias
+        return y
+
+    def _pushing_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The batch-1 partial sum, by a GEMV that also pushes it to the peers for the fused
+        all-reduce + norm that follows (distributed/peer_all_reduce.py); None where that
+        path does not apply."""
+        if self.gemv_tiles is None or self.bias is not None or self.tp.size == 1:
+            return None
+        if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        from minisgl.distributed import peer_all_reduce
+
+        peer = peer_all_reduce.active()
+        n_cols = self.weight.shape[0]
+        lamport = peer.lamport_push(x.shape[0], n_cols, x.dtype) if peer is not None else None
+        if peer is None or lamport is None:
+            return None
+        from minisgl.kernels.gemv import gemv
+
+        y = gemv(x, self.weight, None, self.gemv_tiles, lamport=lamport)
+        peer.mark_pushed(y)
         return y

@@ -94,27 +94,33 @@ peer = peer_all_reduce.active()
 out = [r["token_ids"] for r in llm.generate(prompts, params)]
 # Calls of the fused all-reduce + norm kernel (per program: its epoch counter).
 fused = int(peer.norm_epochs.sum()) if peer is not None and peer.fuse_norm else 0
+pushes = peer.pushes if fused else 0  # batch-1 GEMVs that pushed their rows (host calls)
 # Every slot the peer wrote was read and reset, and nothing else was written: rank 0's
 # buffer is all sentinel bytes again once the GPU is idle.
 import torch
 torch.cuda.synchronize()
 clean = bool(peer.norm_buf.eq(0xFF).all()) if fused else True
 llm.close()
-print(json.dumps({"peer": peer is not None, "fused": fused, "clean": clean, "out": out}))
+print(json.dumps({"peer": peer is not None, "fused": fused, "pushes": pushes, "clean": clean,
+                  "out": out}))
 """
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("fused_norm", ["1", "0"])
-def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path], fused_norm: str) -> None:
+@pytest.mark.parametrize(("fused_norm", "gemv_push"), [("1", "1"), ("1", "0"), ("0", "0")])
+def test_tp2_peer_all_reduce_matches_nccl_bf16(
+    models: dict[str, Path], fused_norm: str, gemv_push: str
+) -> None:
     """bf16 (the CUDA default): all-reduces through GPU peer memory, fused with the norm
-    that follows them or not (MINISGL_FUSED_ALL_REDUCE_NORM), give the same tokens as NCCL
-    for everything (two ranks sum a + b either way). The peer run is a fresh process: only
-    a process's first TP run uses peer memory (peer_all_reduce.py)."""
+    that follows them or not (MINISGL_FUSED_ALL_REDUCE_NORM), their rows pushed by the
+    batch-1 GEMV before them or by the norm kernel (MINISGL_GEMV_PUSH), give the same tokens
+    as NCCL for everything (two ranks sum a + b either way). The peer run is a fresh
+    process: only a process's first TP run uses peer memory (peer_all_reduce.py)."""
     nccl = _greedy(models["target"], tp_size=2, dtype="bfloat16", disable_custom_all_reduce=True)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env["MINISGL_FUSED_ALL_REDUCE_NORM"] = fused_norm
+    env["MINISGL_GEMV_PUSH"] = gemv_push
     proc = subprocess.run(
         [sys.executable, "-c", _PEER_RUN, str(models["target"])],
         capture_output=True,
@@ -127,5 +133,6 @@ def test_tp2_peer_all_reduce_matches_nccl_bf16(models: dict[str, Path], fused_no
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["peer"], "the fresh process did not take the peer-memory path"
     assert (result["fused"] > 0) == (fused_norm == "1"), result["fused"]
+    assert (result["pushes"] > 0) == (gemv_push == "1"), result["pushes"]
     assert result["clean"], "a slot of the fused all-reduce was left written (or never reset)"
     assert result["out"] == nccl

@@ -8,7 +8,9 @@ interpreter's bfloat16 casts), plus the protocol's state: the partial sum lands 
 peer's buffer, in the slot of the call's parity and this rank; the slots this rank read are
 back to the sentinel; nothing past the rows is touched; the epochs advance by one per call.
 Two consecutive calls use both parities. A partial that is the sentinel's bit pattern goes
-out as the canonical NaN. The cross-GPU run (real peers through NVLink, CUDA graphs) is
+out as the canonical NaN. With ``gemv_k``, this rank's partial sum comes from the batch-1 GEMV
+that pushes it to the peers itself (kernels/gemv.py's ``lamport``), and the kernel only polls
+(``pushed=True``): the same state must result. The cross-GPU run (real peers through NVLink, CUDA graphs) is
 tests/gpu/test_spec_and_tp_gpu.py's TP=2 tests.
 """
 
@@ -40,10 +42,11 @@ def _is_sentinel(t: torch.Tensor) -> torch.Tensor:
 
 def _run_group(
     device: torch.device, dtype: torch.dtype, world: int, rank: int, rows: int, d: int, res: bool,
-    sentinel_row: bool = False,
+    sentinel_row: bool = False, gemv_k: int = 0,
 ) -> None:  # fmt: skip
-    from minisgl.kernels.all_reduce_norm import all_reduce_add_rms_norm, programs
-    from minisgl.kernels.norm import fused_add_rms_norm, rms_norm
+    from minisgl.kernels.all_reduce_norm import LamportPush, all_reduce_add_rms_norm, programs
+    from minisgl.kernels.gemv import gemv
+    from minisgl.kernels.norm import fused_add_rms_norm, rms_norm, row_tile
 
     g = torch.Generator().manual_seed(100 * world + 10 * rank + rows)
     slot = rows * d + 64  # room to spare: nothing may be written past the rows
@@ -59,6 +62,10 @@ def _run_group(
 
     for epoch in (1, 2):
         parts = [torch.randn(rows, d, generator=g).to(dtype).to(device) for _ in range(world)]
+        if gemv_k:  # this rank's partial: a GEMV's output (the plain GEMV's bits)
+            x_in = torch.randn(rows, gemv_k, generator=g).to(dtype).to(device)
+            w_in = (torch.randn(d, gemv_k, generator=g) / gemv_k**0.5).to(dtype).to(device)
+            parts[rank] = gemv(x_in, w_in)
         if sentinel_row:  # a partial element with the sentinel's bits (a NaN)
             parts[rank].view(-1)[:1] = _sentinel(1, dtype, device)
         residual = torch.randn(rows, d, generator=g).to(dtype).to(device) if res else None
@@ -66,8 +73,14 @@ def _run_group(
         for q in range(world):  # the peers' side of this call: their rows, pushed to us
             if q != rank:
                 slot_of(rank, s, q)[: rows * d] = parts[q].reshape(-1)
+        x = parts[rank]
+        if gemv_k:
+            lamport = LamportPush(bufs[rank], buf_ptrs, epochs, slot, rank, row_tile(d)[0])
+            x = gemv(x_in, w_in, lamport=lamport)
+            assert torch.equal(x, parts[rank])
+            assert epochs[:n_prog].eq(epoch - 1).all(), "the GEMV only reads the epochs"
         out, res_out = all_reduce_add_rms_norm(
-            parts[rank], residual, weight, EPS, bufs[rank], buf_ptrs, epochs, slot, rank
+            x, residual, weight, EPS, bufs[rank], buf_ptrs, epochs, slot, rank, pushed=gemv_k > 0
         )
         total = parts[0]
         for q in range(1, world):
@@ -129,6 +142,17 @@ def check_four_ranks_sum_in_rank_order(device: torch.device) -> None:
 def check_sentinel_bits_go_as_nan(device: torch.device) -> None:
     for dtype in (F32, BF16):
         _run_group(device, dtype, 2, 0, rows=2, d=64, res=True, sentinel_row=True)
+
+
+def check_gemv_pushes_the_rows(device: torch.device) -> None:
+    # Batch 1 (the engine's case), and 3 rows over 3 programs (d = 4096: a row each) or
+    # one program (d = 96), each row at the epoch of its own program.
+    for dtype in (F32, BF16):
+        for rank in (0, 1):
+            _run_group(device, dtype, 2, rank, rows=1, d=96, res=True, gemv_k=64)
+    _run_group(device, F16, 2, 1, rows=3, d=4096, res=True, gemv_k=32)
+    _run_group(device, F16, 2, 0, rows=3, d=96, res=False, gemv_k=48)
+    _run_group(device, F16, 4, 2, rows=2, d=256, res=True, gemv_k=32)
 
 
 CHECKS = kernel_checks.collect(globals())
