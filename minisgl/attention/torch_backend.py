@@ -33,11 +33,11 @@ class TorchMetadata:
     num_tokens: int
 
 
-def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A host list on the device without a host sync: a plain ``torch.tensor(values,
+def _to_device(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host values on the device without a host sync: a plain ``torch.tensor(values,
     device=...)`` waits for the stream after its pageable copy (so would drain the device
     under overlap scheduling); the asynchronous copy stages the values before it returns."""
-    return torch.tensor(values).to(device, non_blocking=True)
+    return torch.as_tensor(values).to(device, non_blocking=True)
 
 
 def _pad_group(
@@ -65,19 +65,16 @@ def _pad_group(
     # Padded query rows must still see one key, or softmax yields NaN.
     mask[..., 0] |= ~valid_q
     kv_index = torch.where(kv_pos[None, :] < seq[:, None], kv_index, 0)
-    flat = _to_device([starts[i] for i in rows], device)[:, None] + q_off[None, :]
-    q_pad_index = torch.where(valid_q, flat, total).reshape(-1)
     # Boolean-mask indexing on the device would sync the host (its size is data-dependent):
     # the gather indices are built from the host's lengths and copied over instead.
     host_off = torch.arange(max_q)
     host_valid = host_off[None, :] < torch.tensor(exts)[:, None]
-    q_unpad_index = (torch.arange(bsz)[:, None] * max_q + host_off[None, :])[host_valid]
-    q_unpad_index = q_unpad_index.to(device, non_blocking=True)
+    host_flat = torch.tensor([starts[i] for i in rows])[:, None] + host_off[None, :]
+    q_pad_index = torch.where(valid_q, _to_device(host_flat, device), total).reshape(-1)
+    q_unpad = (torch.arange(bsz)[:, None] * max_q + host_off[None, :])[host_valid]
     in_order = rows == list(range(len(layout.req_rows)))
-    tokens = None
-    if not in_order:
-        host_flat = torch.tensor([starts[i] for i in rows])[:, None] + host_off[None, :]
-        tokens = host_flat[host_valid].to(device, non_blocking=True)
+    tokens = None if in_order else _to_device(host_flat[host_valid], device)
+    q_unpad_index = _to_device(q_unpad, device)
     return PaddedGroup(kv_index, q_pad_index, q_unpad_index, tokens, mask.unsqueeze(1), bsz, max_q)
 
 

@@ -70,7 +70,6 @@ def _all_reduce_add_rms_norm_kernel(
     # address and the norm weight, so that no load of theirs sits on the chain after it.
     ranks = tl.arange(0, WORLD_P2)
     buf_addrs = tl.load(bufs_ptr + ranks, mask=ranks < WORLD, other=0)
-    own_addr = _pick(buf_addrs, ranks, RANK)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
 
@@ -84,7 +83,7 @@ def _all_reduce_add_rms_norm_kernel(
     x = sendable(x, ELEM_BYTES)
     if not PUSHED:  # else the GEMV that computed x has pushed it already
         dst = parity_off + RANK * slot_elems + row_off
-        push(own_ptr, buf_addrs, ranks, own_addr, x, dst, mask, RANK, WORLD, ELEM_BYTES)
+        push(own_ptr, buf_addrs, ranks, x, dst, mask, RANK, WORLD, ELEM_BYTES)
 
     # Sum in rank order, rounding after each add like a chain of dtype additions.
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -130,10 +129,12 @@ def sendable(x, ELEM_BYTES: tl.constexpr):
 
 @triton.jit
 def push(
-    own_ptr, buf_addrs, ranks, own_addr, x, dst, mask,
+    own_ptr, buf_addrs, ranks, x, dst, mask,
     RANK: tl.constexpr, WORLD: tl.constexpr, ELEM_BYTES: tl.constexpr,
 ):  # fmt: skip
-    """Stores x at element offsets ``dst`` of every peer's buffer (remote stores)."""
+    """Stores x at element offsets ``dst`` of every peer's buffer (remote stores); buf_addrs:
+    every rank's buffer address (``ranks`` their indices), own_ptr this rank's."""
+    own_addr = _pick(buf_addrs, ranks, RANK)  # registers only
     for q in tl.static_range(WORLD):
         if q != RANK:
             # Rank q's buffer as an offset from this rank's, in elements: a multiple of 16
@@ -207,7 +208,7 @@ def all_reduce_add_rms_norm(
         n_rows, d, x.stride(0), residual.stride(0) if residual is not None else 0, slot_elems,
         eps, RANK=rank, WORLD=world, WORLD_P2=triton.next_power_of_2(world),
         ELEM_BYTES=x.element_size(),
-        HAS_RES=residual is not None, PUSHED=pushed, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        enable_fp_fusion=False, **pdl_args(),
+        HAS_RES=residual is not None, PUSHED=pushed, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip
     return out, res_out

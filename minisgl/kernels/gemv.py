@@ -109,8 +109,7 @@ def _gemv_kernel(
         epoch = tl.load(epochs_ptr + offs_m // NORM_BLOCK_M, mask=m_mask, other=0) + 1
         slot = ((epoch % 2) * WORLD + RANK) * slot_elems
         remote = slot[:, None] + offs_m[:, None] * n_cols + offs_n[None, :]
-        own_addr = tl.sum(tl.where(ranks == RANK, buf_addrs, 0), axis=0)
-        push(own_ptr, buf_addrs, ranks, own_addr, y_out, remote, out_mask, RANK, WORLD, elem_bytes)
+        push(own_ptr, buf_addrs, ranks, y_out, remote, out_mask, RANK, WORLD, elem_bytes)
     else:
         tl.store(dst, y.to(dtype), mask=out_mask)
 
@@ -177,16 +176,18 @@ def gemv(
     if rows == 0:
         return out
     block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
-    world = lamport.bufs.numel() if lamport is not None else 1
+    # Without a push the kernel never reads these (any tensor stands in for the pointers).
+    own, bufs, epochs, slot_elems, rank, norm_block_m = (
+        (lamport.own, lamport.bufs, lamport.epochs, lamport.slot_elems, lamport.rank,
+         lamport.block_m) if lamport is not None else (out, out, out, 0, 0, 1)
+    )  # fmt: skip
+    world = bufs.numel() if lamport is not None else 1
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
-        x.stride(0), weight.stride(0), out.stride(0),
-        lamport.own if lamport else out, lamport.bufs if lamport else out,
-        lamport.epochs if lamport else out, lamport.slot_elems if lamport else 0,
+        x.stride(0), weight.stride(0), out.stride(0), own, bufs, epochs, slot_elems,
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PUSH=lamport is not None, RANK=lamport.rank if lamport else 0,
-        WORLD=world, WORLD_P2=triton.next_power_of_2(world),
-        NORM_BLOCK_M=lamport.block_m if lamport else 1,
+        BLOCK_K=block_k, PUSH=lamport is not None, RANK=rank, WORLD=world,
+        WORLD_P2=triton.next_power_of_2(world), NORM_BLOCK_M=norm_block_m,
         num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

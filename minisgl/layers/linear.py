@@ -194,9 +194,10 @@ class RowParallelLinear(_Int4Mixin, nn.Module):
         from minisgl.distributed import peer_all_reduce
 
         peer = peer_all_reduce.active()
-        n_cols = self.weight.shape[0]
-        lamport = peer.lamport_push(x.shape[0], n_cols, x.dtype) if peer is not None else None
-        if peer is None or lamport is None:
+        if peer is None:
+            return None
+        lamport = peer.lamport_push(x.shape[0], self.weight.shape[0], x.dtype)
+        if lamport is None:
             return None
         from minisgl.kernels.gemv import gemv
 
