@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import types
 import typing
 from typing import Any
 
+from minisgl import env
 from minisgl.config import EngineConfig
-
-API_KEY_ENV = "MINISGL_API_KEY"
 
 # Extra spellings users know from SGLang / mini-sglang / vLLM.
 FLAG_ALIASES: dict[str, list[str]] = {
@@ -108,7 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=1919, help="port to listen on")
     server.add_argument("--served-model-name", default=None, help="model name in API responses")
-    server.add_argument("--shell", action="store_true", help="interactive chat shell, no server")
     server.add_argument(
         "--reasoning-parser", default=None, choices=["qwen3", "deepseek-r1"],
         help="chat replies: put the model's thinking (<think>...</think>) in reasoning_content",
@@ -118,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging verbosity",
     )  # fmt: skip
     add_reliability_flags(parser)
+    shell = parser.add_argument_group("shell")
+    shell.add_argument("--shell", action="store_true", help="interactive chat shell, no server")
+    shell.add_argument("--temperature", type=float, default=0.6, help="shell: sampling temperature")
+    shell.add_argument("--top-p", type=float, default=0.95, help="shell: nucleus sampling")
+    shell.add_argument("--max-tokens", type=int, default=512, help="shell: longest answer")
     return parser
 
 
@@ -140,7 +142,7 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key", default=None, metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every route but /health and "
-        f"/health_generate (default: ${API_KEY_ENV} if set, else no authentication)",
+        f"/health_generate (default: ${env.API_KEY.env_name} if set, else no authentication)",
     )  # fmt: skip
     group.add_argument(
         "--max-queued-requests", type=_number(int, 0, "--max-queued-requests"), default=None,
@@ -183,9 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.shell:
+        from minisgl.sampling_params import SamplingParams
         from minisgl.shell import run_shell
 
-        return run_shell(config)
+        try:
+            params = SamplingParams(
+                temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+        return run_shell(config, params)
     from minisgl.server.launch import ServerArgs, serve
 
     return serve(
@@ -194,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host, port=args.port,
             served_model_name=args.served_model_name, log_level=args.log_level,
             # An empty key (e.g. MINISGL_API_KEY= in a unit file) means "no key", not "".
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            api_key=args.api_key or env.API_KEY.get() or None,
             max_queued_requests=args.max_queued_requests,
             request_timeout=args.request_timeout,
             health_timeout=args.health_timeout,

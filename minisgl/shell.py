@@ -5,15 +5,13 @@
 /reset clears the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops the current answer.
 With --tp-size N the shell is rank 0 of an offline TP run (see minisgl/llm.py): it spawns the
 other ranks, and they leave with it.
-Sampling can be tuned with MINISGL_SHELL_TEMPERATURE, MINISGL_SHELL_TOP_P and
-MINISGL_SHELL_MAX_TOKENS.
+Sampling is set with --temperature, --top-p and --max-tokens (shell flags).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -28,19 +26,10 @@ PROMPT = ">>> "
 HELP = "Type a message. /reset clears the conversation, /exit leaves, Ctrl-C stops an answer."
 
 
-def shell_sampling() -> SamplingParams:
-    env = os.environ
-    return SamplingParams(
-        temperature=float(env.get("MINISGL_SHELL_TEMPERATURE", "0.6")),
-        top_p=float(env.get("MINISGL_SHELL_TOP_P", "0.95")),
-        max_tokens=int(env.get("MINISGL_SHELL_MAX_TOKENS", "512")),
-    )
-
-
 class ChatSession:
     """A conversation with the in-process scheduler; answers are streamed to ``write``."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, params: SamplingParams) -> None:
         from minisgl.llm import LLM
 
         # The offline LLM builds the engine, tokenizer and scheduler; with TP its scheduler
@@ -50,7 +39,7 @@ class ChatSession:
         self.tokenizer = self.llm.tokenizer
         self.scheduler = self.llm.scheduler
         self.history: list[dict[str, str]] = []
-        self.params = shell_sampling()
+        self.params = params
 
     def close(self) -> None:
         self.llm.close()
@@ -128,10 +117,10 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def run_shell(config: EngineConfig) -> int:
+def run_shell(config: EngineConfig, params: SamplingParams) -> int:
     print("Loading the model...", flush=True)
     try:
-        chat = ChatSession(config)
+        chat = ChatSession(config, params)
     except ValueError as exc:  # e.g. --node-rank 1: other nodes run minisgl.distributed.launch
         print(f"error: {exc}", file=sys.stderr)
         return 2

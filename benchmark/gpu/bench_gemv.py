@@ -5,10 +5,10 @@ Triton launch costs 30-60 us of host time, more than these kernels take on the G
     python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--gated] [--shapes 8B]
         [--write-table table.json]
     python benchmark/gpu/bench_gemv.py --int4 [--int4-sweep] [--rows 1 2 4] [--shapes 8B]
-    MINISGL_TRITON_GEMV=1 MINISGL_GEMV_TABLE=table.json python benchmark/offline/bench_latency.py ...
+    python benchmark/offline/bench_latency.py --gemv-table table.json ...
 
 --write-table keeps, per shape and row count, the fastest tiles where they beat cuBLAS by
-at least 3%, else null (cuBLAS): the table kernels/gemv.py reads from MINISGL_GEMV_TABLE.
+at least 3%, else null (cuBLAS): the table bench_latency.py --gemv-table loads.
 
 --cold: each timed call reads the next of several copies of the weight, together at least
 twice the H200's 60 MB L2, as a decode step does (36 layers' weights pass between two reads

@@ -30,6 +30,19 @@ def timed(llm: LLM, prompt: list[int], n: int, repeats: int) -> float:
     return best
 
 
+def set_tuning(gemv_table: str | None, int4_tiles: str | None) -> None:
+    """Tile overrides for tuning runs (CUDA only: the kernels import triton)."""
+    if gemv_table:
+        from minisgl.kernels import gemv
+
+        gemv.load_table(gemv_table)
+    if int4_tiles:
+        from minisgl.kernels import int4_gemv
+
+        bn, bk, warps, stages = (int(v) for v in int4_tiles.split(","))
+        int4_gemv.TILES_OVERRIDE = (bn, bk, warps, stages)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -38,7 +51,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     add_engine_arg(ap)
     ap.add_argument("--output", default=None)
+    ap.add_argument(
+        "--gemv-table", default=None, help="JSON of bench_gemv.py --write-table: GEMV tiles"
+    )
+    ap.add_argument(
+        "--int4-gemv-tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages for int4 GEMVs"
+    )
     args = ap.parse_args()
+    set_tuning(args.gemv_table, args.int4_gemv_tiles)
     options = engine_options(args.engine_arg, load_format=args.load_format, context_length=4096)
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]

@@ -18,13 +18,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from minisgl import env
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.distributed.topology import Topology, split_addr
 
 logger = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "MINISGL_DIST_TIMEOUT_S"
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 _JOINED = "minisgl/joined"  # rendezvous counter: ranks other than 0 that reached the store
 
@@ -35,7 +35,7 @@ def compute_timeout_s() -> float:
     """A collective (or the rendezvous) that waits longer than this means a rank died or the
     ranks diverged: fail instead of hanging. Tests lower it through the environment, which
     spawned ranks inherit."""
-    return float(os.environ.get(TIMEOUT_ENV, "600"))
+    return env.DIST_TIMEOUT_S.get()
 
 
 def rank_device(config: EngineConfig, tp: TPInfo, device: torch.device) -> torch.device:

@@ -15,7 +15,6 @@ on 2-4 rows, where it was faster at every tile tried.
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 import triton
@@ -117,17 +116,15 @@ def _gemv_kernel(
 Tiles = GemvTiles
 
 
-def _load_table() -> dict[tuple[int, int, int], Tiles | None]:
-    """MINISGL_GEMV_TABLE: a JSON list of [rows, N, K, tiles or null (cuBLAS)], as written by
-    benchmark/gpu/bench_gemv.py --write-table; for tuning runs."""
-    path = os.environ.get("MINISGL_GEMV_TABLE")
-    if not path:
-        return {}
+# Tiles per (rows, N, K) that override the rule below, None meaning cuBLAS: set by tuning runs
+# (benchmark/offline/bench_latency.py --gemv-table, from bench_gemv.py --write-table).
+TABLE: dict[tuple[int, int, int], Tiles | None] = {}
+
+
+def load_table(path: str) -> None:
+    """Read a JSON list of [rows, N, K, tiles or null (cuBLAS)] into TABLE."""
     with open(path) as f:
-        return {(r, n, k): tuple(t) if t else None for r, n, k, t in json.load(f)}  # type: ignore[misc]
-
-
-TABLE = _load_table()
+        TABLE.update({(r, n, k): tuple(t) if t else None for r, n, k, t in json.load(f)})
 
 
 def gemv_tiles(rows: int) -> Tiles:
@@ -138,7 +135,7 @@ def gemv_tiles(rows: int) -> Tiles:
 
 def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
     """The tiles for this product, or None where cuBLAS is faster: the best tiles of the
-    H200 sweep per shape, as a rule (a MINISGL_GEMV_TABLE entry overrides it)."""
+    H200 sweep per shape, as a rule (a TABLE entry overrides it)."""
     if (rows, n_cols, k_dim) in TABLE:
         return TABLE[rows, n_cols, k_dim]
     if rows != 1 or n_cols * k_dim > 64 * 2**20:

@@ -36,8 +36,6 @@ int4 GEMM and bf16 cuBLAS.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -199,17 +197,9 @@ _INTERPRETED = type(_int4_gemv_kernel).__name__ == "InterpretedFunction"
 Tiles = GemvTiles  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 
 
-def _env_tiles() -> tuple[int, int, int, int] | None:
-    """MINISGL_INT4_GEMV_TILES="BLOCK_N,BLOCK_K,warps,stages": every int4 GEMV launch uses
-    these (for tuning runs of the whole engine; BLOCK_M stays the rows' power of two)."""
-    spec = os.environ.get("MINISGL_INT4_GEMV_TILES", "")
-    if not spec:
-        return None
-    bn, bk, warps, stages = (int(v) for v in spec.split(","))
-    return bn, bk, warps, stages
-
-
-ENV_TILES = _env_tiles()
+# (BLOCK_N, BLOCK_K, warps, stages) for every int4 GEMV launch, BLOCK_M staying the rows'
+# power of two: set by tuning runs (benchmark/offline/bench_latency.py --int4-gemv-tiles).
+TILES_OVERRIDE: tuple[int, int, int, int] | None = None
 
 
 def int4_gemv_tiles(rows: int, n_cols: int = 0, k_dim: int = 0) -> Tiles:
@@ -219,8 +209,8 @@ def int4_gemv_tiles(rows: int, n_cols: int = 0, k_dim: int = 0) -> Tiles:
     (four accumulators). The H200 sweep of bench_gemv.py --int4 replaces this (n_cols and
     k_dim are there for a per-shape rule)."""
     block_m = triton.next_power_of_2(max(rows, 1))
-    if ENV_TILES is not None:
-        return (block_m, *ENV_TILES)
+    if TILES_OVERRIDE is not None:
+        return (block_m, *TILES_OVERRIDE)
     return block_m, 32 if block_m == 1 else 16, 512, 4, 1
 
 

@@ -19,19 +19,18 @@ bit-identical with PDL on or off. MINISGL_PDL=0 turns it off.
 from __future__ import annotations
 
 import functools
-import os
 
 import triton
 import triton.language as tl
+
+from minisgl import env
 
 
 @functools.cache
 def pdl_enabled() -> bool:
     """True on CUDA devices of compute capability 9.0+, unless MINISGL_PDL=0 or under
     Triton's interpreter (which has no grid-dependency control)."""
-    if os.environ.get("MINISGL_PDL", "1").lower() in ("0", "false", "no", "off"):
-        return False
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if not env.PDL.get() or env.TRITON_INTERPRET.get() not in (None, "0"):
         return False
     import torch
 

@@ -18,13 +18,13 @@ MINISGL_CPU_ONEDNN=0 keeps only the originals (and F.linear from 3 rows on).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl import env
 from minisgl.kernels import GemvTiles
 
 
@@ -37,12 +37,11 @@ def _onednn_available() -> bool:
     )
 
 
-_OFF = ("0", "false", "no", "off")
-ONEDNN = _onednn_available() and os.environ.get("MINISGL_CPU_ONEDNN", "1").lower() not in _OFF
-TRITON_GEMV = os.environ.get("MINISGL_TRITON_GEMV", "1").lower() not in _OFF
+ONEDNN = _onednn_available() and env.CPU_ONEDNN.get()
+TRITON_GEMV = env.TRITON_GEMV.get()
 # Batch 1: the MLP's SiLU-and-mul in the gate/up GEMV's epilogue (bit-equal, one kernel
 # less per layer). Off until measured on the H200 (benchmark/RESULTS.md).
-FUSED_GATE_UP = os.environ.get("MINISGL_FUSED_GATE_UP", "0").lower() not in _OFF
+FUSED_GATE_UP = env.FUSED_GATE_UP.get()
 _gemv: Any = None  # kernels.gemv.gemv, imported by pack_model (CPU installs never import triton)
 
 

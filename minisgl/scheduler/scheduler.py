@@ -9,7 +9,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
-import os
 import random
 import time
 from collections import deque
@@ -684,9 +683,8 @@ class Scheduler:
 
 
 def overlap_default(device_type: str, disabled: bool) -> bool:
-    """Overlap on CUDA unless switched off by the flag or MINISGL_DISABLE_OVERLAP_SCHEDULING."""
-    env = os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "").strip().lower()
-    return device_type == "cuda" and not disabled and env not in ("1", "true", "yes", "on")
+    """Overlap on CUDA unless switched off by --disable-overlap-scheduling."""
+    return device_type == "cuda" and not disabled
 
 
 def _grammar_done(req: Req, token: int) -> bool:

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minisgl import env
+from minisgl.env import Switch
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -109,14 +112,20 @@ class ServerHandle:
 
 
 def start_server(
-    args: list[str], ready_timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str], ready_timeout: float = 300, switches: dict[Switch[Any], object] | None = None
 ) -> ServerHandle:
+    """``python -m minisgl`` with ``args`` on a free port, its environment switches set to
+    ``switches``; returns once it answers /health."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="minisgl-e2e-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})}
+            cmd,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env.child_environ(switches or {}),
         )
     handle = ServerHandle(proc, port, log, time.perf_counter())
     deadline = time.monotonic() + ready_timeout

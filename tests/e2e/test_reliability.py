@@ -23,6 +23,7 @@ import aiohttp
 import openai
 import pytest
 
+from minisgl import env
 from tests.e2e.server_utils import (
     ServerHandle,
     assert_clean_log,
@@ -138,7 +139,7 @@ def guarded(tiny_model: Path) -> Iterator[ServerHandle]:
             "--max-running-requests", "2", "--max-queued-requests", "2",
             "--max-request-bytes", "65536",
         ],
-        env={"MINISGL_API_KEY": KEY},
+        switches={env.API_KEY: KEY},
     )  # fmt: skip
     yield server
     stop_and_check(server, secret=KEY)

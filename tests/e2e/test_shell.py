@@ -17,13 +17,14 @@ PROMPT = ">>> "
 def test_shell_answers_and_resets() -> None:
     env = {
         **os.environ,
-        "MINISGL_SHELL_TEMPERATURE": "0",  # greedy: the same question gets the same answer
-        "MINISGL_SHELL_MAX_TOKENS": "16",
         "PROMPT_TOOLKIT_NO_CPR": "1",  # pexpect does not answer cursor-position requests
         "TERM": "dumb",
     }
     child = pexpect.spawn(
-        sys.executable, ["-m", "minisgl", "--shell"], cwd=str(REPO), env=env,
+        sys.executable,
+        # Greedy: the same question gets the same answer.
+        ["-m", "minisgl", "--shell", "--temperature", "0", "--max-tokens", "16"],
+        cwd=str(REPO), env=env,
         encoding="utf-8", timeout=240, dimensions=(40, 200),
     )  # fmt: skip
     try:
@@ -50,16 +51,17 @@ def _tiny_shell_answer(model: Path, tp: int) -> tuple[str, list[int]]:
     """The shell's greedy answer with the tiny model, and the processes it had started."""
     import psutil
 
+    from minisgl import env as switches
+
     env = {
-        **os.environ,
-        "MINISGL_SHELL_TEMPERATURE": "0",
-        "MINISGL_SHELL_MAX_TOKENS": "8",
+        **switches.child_environ({switches.DIST_TIMEOUT_S: 60}),
         "PROMPT_TOOLKIT_NO_CPR": "1",
         "TERM": "dumb",
-        "MINISGL_DIST_TIMEOUT_S": "60",
     }
     child = pexpect.spawn(
-        sys.executable, ["-m", "minisgl", "--shell", "--model", str(model), "--tp-size", str(tp)],
+        sys.executable,
+        ["-m", "minisgl", "--shell", "--model", str(model), "--tp-size", str(tp),
+         "--temperature", "0", "--max-tokens", "8"],
         cwd=str(REPO), env=env, encoding="utf-8", timeout=120, dimensions=(40, 200),
     )  # fmt: skip
     try:

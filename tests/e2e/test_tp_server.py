@@ -22,6 +22,7 @@ from typing import Any
 import openai
 import pytest
 
+from minisgl import env
 from tests.e2e.server_utils import (
     REPO,
     ServerHandle,
@@ -40,7 +41,7 @@ PROMPTS = [[5, 6, 7], SHARED + [60, 61], list(range(100, 137)), SHARED + [70], [
 MAX_TOKENS = [6, 5, 7, 4, 6, 5]
 OPTIONS = ["--chunked-prefill-size", "16", "--num-pages", "2048"]
 # A divergence between the ranks fails a collective in a minute instead of ten.
-ENV = {"MINISGL_DIST_TIMEOUT_S": "60"}
+SWITCHES: dict[env.Switch[Any], object] = {env.DIST_TIMEOUT_S: 60}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 
 def _start(path: Path, tp: int, *extra: str) -> ServerHandle:
     args = ["--model", str(path), "--tp-size", str(tp), "--served-model-name", "tiny"]
-    return start_server([*args, *OPTIONS, *extra], env=ENV)
+    return start_server([*args, *OPTIONS, *extra], switches=SWITCHES)
 
 
 @pytest.fixture
@@ -230,7 +231,7 @@ def test_two_simulated_nodes(models: dict[str, Path]) -> None:
     node1 = subprocess.Popen(
         [sys.executable, "-m", "minisgl", "--model", str(path), "--tp-size", "2", *OPTIONS,
          *nodes, "--node-rank", "1", "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, **ENV},
+        cwd=REPO, env=env.child_environ(SWITCHES),
     )  # fmt: skip
     try:
         node0 = _start(path, 2, *nodes, "--node-rank", "0")
@@ -263,8 +264,14 @@ def _loop_rank(config: Any, args: Any) -> None:
     destroy_tp_group()  # leave gloo before exiting, as run_scheduler's ranks do
 
 
+@pytest.fixture
+def short_dist_timeout() -> Iterator[None]:
+    with env.override(SWITCHES):
+        yield
+
+
 def test_overlap_scheduling_keeps_the_ranks_in_step(
-    models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    models: dict[str, Path], tmp_path: Path, short_dist_timeout: None
 ) -> None:
     import multiprocessing as mp
 
@@ -279,7 +286,6 @@ def test_overlap_scheduling_keeps_the_ranks_in_step(
     from minisgl.scheduler.process import SchedulerArgs, SchedulerLoop
     from tests.e2e.test_scheduler_process import Harness
 
-    monkeypatch.setenv("MINISGL_DIST_TIMEOUT_S", "60")
     path = str(models["llama_kv1"])
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     expected = [r["token_ids"] for r in LLM(path).generate(PROMPTS, greedy)]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, SamplingParams, env
 from tests.conftest import assert_engine_clean
 from tests.helpers import make_tiny_model, shared_prefix_workload
 
@@ -171,7 +171,7 @@ def test_batch1_gemv_layers_match_cublas(tiny: Path) -> None:
         ref = torch.nn.functional.linear(x, m.weight, getattr(m, "bias", None))
         got = m(x) if not hasattr(m, "compute_logits") else m.compute_logits(x)
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
-    pack_model(llm.engine.model, gemv=False)  # what MINISGL_TRITON_GEMV=0 loads
+    pack_model(llm.engine.model, gemv=False)  # what TRITON_GEMV off loads
     assert not any(getattr(m, "gemv_tiles", None) for m in llm.engine.model.modules())
 
 
@@ -204,20 +204,20 @@ def test_fused_gate_up_keeps_greedy_tokens(tiny: Path, monkeypatch: pytest.Monke
     assert_engine_clean(llm)
 
 
-def test_pdl_on_off_identical(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pdl_on_off_identical(tiny: Path) -> None:
     """bf16, graphs and overlap: kernels launched with programmatic dependent launch (the
     default on Hopper) give exactly the tokens of plain stream-ordered launches."""
     from minisgl.kernels import pdl
 
     prompts, params = _workload()
     outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MINISGL_PDL", flag)
-        pdl.pdl_enabled.cache_clear()
-        assert pdl.pdl_enabled() == (flag == "1" and torch.cuda.get_device_capability()[0] >= 9)
-        llm = LLM(str(tiny), chunked_prefill_size=128)
-        outs.append([r["token_ids"] for r in llm.generate(prompts, params)])
-        assert_engine_clean(llm)
+    for flag in (False, True):
+        with env.override({env.PDL: flag}):
+            pdl.pdl_enabled.cache_clear()
+            assert pdl.pdl_enabled() == (flag and torch.cuda.get_device_capability()[0] >= 9)
+            llm = LLM(str(tiny), chunked_prefill_size=128)
+            outs.append([r["token_ids"] for r in llm.generate(prompts, params)])
+            assert_engine_clean(llm)
     pdl.pdl_enabled.cache_clear()
     assert outs[0] == outs[1]
 

@@ -112,15 +112,17 @@ def test_tp2_peer_all_reduce_matches_nccl_bf16(
     models: dict[str, Path], fused_norm: str, gemv_push: str
 ) -> None:
     """bf16 (the CUDA default): all-reduces through GPU peer memory, fused with the norm
-    that follows them or not (MINISGL_FUSED_ALL_REDUCE_NORM), their rows pushed by the
-    batch-1 GEMV before them or by the norm kernel (MINISGL_GEMV_PUSH), give the same tokens
+    that follows them or not (the FUSED_ALL_REDUCE_NORM switch), their rows pushed by the
+    batch-1 GEMV before them or by the norm kernel (GEMV_PUSH), give the same tokens
     as NCCL for everything (two ranks sum a + b either way). The peer run is a fresh
     process: only a process's first TP run uses peer memory (peer_all_reduce.py)."""
     nccl = _greedy(models["target"], tp_size=2, dtype="bfloat16", disable_custom_all_reduce=True)
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env["MINISGL_FUSED_ALL_REDUCE_NORM"] = fused_norm
-    env["MINISGL_GEMV_PUSH"] = gemv_push
+    from minisgl import env as switches
+
+    on = {switches.FUSED_ALL_REDUCE_NORM: fused_norm == "1", switches.GEMV_PUSH: gemv_push == "1"}
+    env = switches.child_environ(on)
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     proc = subprocess.run(
         [sys.executable, "-c", _PEER_RUN, str(models["target"])],
         capture_output=True,

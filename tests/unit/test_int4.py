@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, SamplingParams, env
 from minisgl.layers import quantized as q
 from tests.conftest import assert_engine_clean
 from tests.helpers import hf_greedy, make_tiny_model
@@ -116,19 +116,16 @@ def test_quantized_matches_hf_on_dequantized(
 
 
 @pytest.mark.timeout(180)
-def test_quantized_tp2_matches_tp1(
-    quantized: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_quantized_tp2_matches_tp1(quantized: dict[str, tuple[Path, Path]]) -> None:
     """Column-parallel shards split N (merged q/k/v, gate/up), row-parallel ones K by whole
     groups; group_size -1 keeps its one group's scales on every rank."""
-    monkeypatch.setenv("MINISGL_DIST_TIMEOUT_S", "60")
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for name in ("llama_gptq_g32", "qwen2_awq_g32", "qwen3_gptq_gall"):
         path = str(quantized[name][0])
         ref = LLM(path)
         want = [r["token_ids"] for r in ref.generate(PROMPTS, params)]
         del ref
-        with LLM(path, tp_size=2) as tp2:
+        with env.override({env.DIST_TIMEOUT_S: 60}), LLM(path, tp_size=2) as tp2:
             assert [r["token_ids"] for r in tp2.generate(PROMPTS, params)] == want, name
 
 
@@ -217,15 +214,14 @@ def test_int4_forward_routes_rows_to_gemv_or_gemm(monkeypatch: pytest.MonkeyPatc
 
 
 def test_int4_gemv_env_switch_read_at_import() -> None:
-    import os
     import subprocess
     import sys
 
     code = "from minisgl.layers import quantized as q; print(q.INT4_GEMV)"
     for value, want in (("0", "False"), ("off", "False"), ("1", "True")):
-        env = {**os.environ, "MINISGL_INT4_GEMV": value}
+        child = env.child_environ({env.INT4_GEMV: value})
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(
-            [sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=root
+            [sys.executable, "-c", code], env=child, capture_output=True, text=True, cwd=root
         )
         assert out.stdout.strip() == want, out.stderr

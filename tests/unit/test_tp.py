@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, SamplingParams, env
 from minisgl.cli import build_parser, engine_config
 from minisgl.config import EngineConfig
 from minisgl.distributed.topology import Topology, free_port, split_addr
@@ -41,9 +41,10 @@ def _greedy(n: int) -> SamplingParams:
 
 
 @pytest.fixture(autouse=True)
-def _short_dist_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+def _short_dist_timeout() -> Iterator[None]:
     # Spawned ranks inherit it: a divergence fails in a minute instead of ten.
-    monkeypatch.setenv("MINISGL_DIST_TIMEOUT_S", "60")
+    with env.override({env.DIST_TIMEOUT_S: 60}):
+        yield
 
 
 @pytest.fixture(scope="module")

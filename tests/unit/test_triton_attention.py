@@ -23,7 +23,7 @@ import pytest
 import torch
 
 _ON_GPU = torch.cuda.is_available()
-_CHILD_FLAG = "MINISGL_TRITON_TEST_CHILD"
+_CHILD_FLAG = "TEST_TRITON_ATTENTION_CHILD"
 if not _ON_GPU and "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
