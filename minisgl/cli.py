@@ -4,95 +4,10 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import types
-import typing
 from typing import Any
 
-from minisgl import env
-from minisgl.config import EngineConfig
-
-# Extra spellings users know from SGLang / mini-sglang / vLLM.
-FLAG_ALIASES: dict[str, list[str]] = {
-    "model": ["--model-path"],
-    "tp_size": ["--tp", "--tensor-parallel-size"],
-    "attention_backend": ["--attn"],
-    "cache": ["--cache-type"],
-    "context_length": ["--max-model-len"],
-    "schedule_policy": ["--scheduling-policy"],  # vLLM's spelling
-}
-
-FLAG_HELP: dict[str, str] = {
-    "model": "local directory, .gguf file, or Hugging Face id (default: bundled SmolLM2-135M)",
-    "tokenizer": "tokenizer to use instead of the model's",
-    "load_format": "auto | safetensors | gguf | dummy (random weights)",
-    "dtype": "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16",
-    "device": "auto | cpu | cuda | cuda:N",
-    "context_length": "cap on prompt + output tokens per request",
-    "page_size": "tokens per KV page",
-    "kv_cache_dtype": "KV cache element type: auto (the model's dtype) | fp8_e4m3 (alias fp8) "
-    "| fp8_e5m2 (1 byte per element: about twice the tokens of a bf16 cache)",
-    "num_pages": "KV pool size in pages (default: from the memory budget)",
-    "mem_fraction_static": "GPU: share of device memory for weights + KV cache",
-    "cpu_kv_cache_gb": "CPU: KV pool budget in GiB",
-    "chunked_prefill_size": "token budget per scheduler step (default 8192 on CUDA, 256 on CPU)",
-    "disable_mixed_batch": "never mix prefill chunks with decodes in one batch (prefill "
-    "goes first: decodes wait while a prompt is prefilled)",
-    "disable_fused_rope_store": "run q/k norm, RoPE and the KV-cache store as separate kernels "
-    "(CUDA; outputs are identical either way)",
-    "cache": "prefix cache: radix | naive",
-    "schedule_policy": "fcfs | lpm (longest prefix match first) | priority (each request's "
-    "priority field, lower values first; ties by arrival)",
-    "attention_backend": "auto | torch | triton | flashinfer",
-    "cuda_graph_max_bs": "largest CUDA-graph batch size (0 disables CUDA graphs)",
-    "cuda_graph_max_tokens": "prefill/mixed steps up to this many tokens replay CUDA graphs "
-    "(default 2048; 0 runs them eagerly)",
-    "tp_size": "tensor-parallel degree",
-    "disable_custom_all_reduce": "CUDA TP: all-reduce everything through NCCL (default: small "
-    "tensors through GPU peer memory, which sums the same)",
-    "max_running_requests": "most requests decoded at once",
-    "seed": "engine seed (requests without a seed draw theirs from it)",
-    "disable_overlap_scheduling": "run CPU scheduling and device compute one after the other",
-    "init_new_token_ratio": "admission: expected share of max_tokens still to come, at first",
-    "min_new_token_ratio": "admission: the floor that share decays to",
-    "speculative_algorithm": "ngram | draft (default: draft when a draft model is given)",
-    "speculative_num_steps": "draft tokens proposed per request per step",
-    "speculative_draft_model": "draft model (same vocabulary) for --speculative-algorithm draft",
-}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _base_type(annotation: Any) -> type:
-    """int for `int | None`, etc."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return args[0]  # type: ignore[no-any-return]
-    return annotation  # type: ignore[no-any-return]
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (EngineConfig)")
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        kind = _base_type(hints[f.name])
-        names = [_flag(f.name), *FLAG_ALIASES.get(f.name, [])]
-        help_text = FLAG_HELP.get(f.name, "")
-        if kind is bool:
-            # A False default is a plain switch; a True default also gets --no-<flag>.
-            action: Any = argparse.BooleanOptionalAction if f.default else "store_true"
-            group.add_argument(
-                *names, dest=f.name, action=action, default=f.default, help=help_text or None
-            )
-        else:
-            if "default" not in help_text:
-                help_text = f"{help_text} (default: {f.default})".strip()
-            group.add_argument(
-                *names, dest=f.name, type=kind, default=f.default, metavar=kind.__name__.upper(),
-                help=help_text,
-            )  # fmt: skip
+from minisgl.config import add_engine_flags, add_flags, engine_config, option_groups
+from minisgl.env import API_KEY
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="logging verbosity",
     )  # fmt: skip
     add_reliability_flags(parser)
+    for group in option_groups():
+        if group.server:
+            add_flags(parser, group.options, group.title)
     shell = parser.add_argument_group("shell")
     shell.add_argument("--shell", action="store_true", help="interactive chat shell, no server")
     shell.add_argument("--temperature", type=float, default=0.6, help="shell: sampling temperature")
@@ -142,7 +60,7 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--api-key", default=None, metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every route but /health and "
-        f"/health_generate (default: ${env.API_KEY.env_name} if set, else no authentication)",
+        f"/health_generate (default: ${API_KEY.env_name} if set, else no authentication)",
     )  # fmt: skip
     group.add_argument(
         "--max-queued-requests", type=_number(int, 0, "--max-queued-requests"), default=None,
@@ -171,12 +89,6 @@ def add_reliability_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig.from_kwargs(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -203,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host, port=args.port,
             served_model_name=args.served_model_name, log_level=args.log_level,
             # An empty key (e.g. MINISGL_API_KEY= in a unit file) means "no key", not "".
-            api_key=args.api_key or env.API_KEY.get() or None,
+            api_key=args.api_key or API_KEY.get() or None,
             max_queued_requests=args.max_queued_requests,
             request_timeout=args.request_timeout,
             health_timeout=args.health_timeout,

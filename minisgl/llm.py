@@ -5,20 +5,18 @@
     llm.generate(["Hello"], SamplingParams(max_tokens=32))
 
 Tensor parallelism: ``LLM(model, tp_size=N)`` makes this process rank 0 and spawns ranks
-1..N-1 (see minisgl/distributed/); every scheduler call is mirrored to them, and they exit on
+1..N-1 (see minisgl/tp/); every scheduler call is mirrored to them, and they exit on
 ``close()`` (or ``with LLM(...) as llm:``, or garbage collection, or when this process dies).
 """
 
 from __future__ import annotations
 
 import gc
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from minisgl.config import EngineConfig
-from minisgl.distributed import TPInfo
-from minisgl.engine.engine import Engine, pick_device
+from minisgl.engine.engine import Engine
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
@@ -31,56 +29,27 @@ Prompt = str | Sequence[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        config = EngineConfig.from_kwargs(model=model, **options)
+        self._start(EngineConfig.from_kwargs(model=model, **options))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
         self._tp_teardown: Callable[[], None] | None = None
+        self.config = config
         if config.tp_size == 1:
-            self.config = config
             self.engine = Engine(config)
             self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
             self.scheduler: Any = Scheduler(self.engine, decode=TokenizerDecoder(self.tokenizer))
-        else:
-            self._start_tp(config)
+            return
+        from minisgl.tp.offline import start_offline_tp
 
-    def _start_tp(self, config: EngineConfig) -> None:
-        import torch.distributed
-
-        from minisgl.distributed.channel import EventChannel
-        from minisgl.distributed.group import init_tp_group, rank_device
-        from minisgl.distributed.launch import spawn_followers
-        from minisgl.distributed.mirror import MirroredScheduler
-        from minisgl.distributed.topology import with_init_addr
-
-        if config.node_rank != 0:
-            raise ValueError(
-                "LLM(...) is rank 0 and runs on node 0; start the other nodes with "
-                "`python -m minisgl.distributed.launch --node-rank K ...`"
-            )
-        if torch.distributed.is_initialized():
-            raise RuntimeError("this process is already in a TP run: close() that LLM first")
-        self.config = config = with_init_addr(config)
-        tp = TPInfo(0, config.tp_size)
-        device = rank_device(config, tp, pick_device(config.device))  # fail before spawning
-        self.followers = followers = spawn_followers(config)
-        holder: dict[str, Any] = {}
-        # A finalizer, not __del__: it runs once, at close(), at garbage collection or at
-        # interpreter exit, and holds nothing that keeps this LLM alive.
-        self._tp_teardown = weakref.finalize(self, _stop_tp, holder, followers)
-        try:
-            # Joined here rather than in Engine so that a rank dying at startup fails us now.
-            init_tp_group(config, tp, device, check=followers.check)
-            self.engine = Engine(config, tp)
-            self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
-            channel = EventChannel(tp)
-            channel.handshake("offline")
-        except BaseException:
-            self.close()
-            raise
-        self.scheduler = holder["mirror"] = MirroredScheduler(
-            # Over the tokenizer, not the LLM: with TP the finalizer holds the scheduler,
-            # which must not keep the LLM alive.
-            Scheduler(self.engine, decode=TokenizerDecoder(self.tokenizer)),
-            channel,
-        )
+        run = start_offline_tp(config, self)
+        self._tp_teardown, self.followers = run.teardown, run.followers
+        self.engine, self.tokenizer, self.scheduler = run.engine, run.tokenizer, run.scheduler
 
     def close(self) -> None:
         """Stop the TP ranks and leave the process group, then free this process's engine
@@ -292,24 +261,3 @@ class LLM:
             if p.prompt_logprobs:
                 out["prompt_top_logprobs"] = [dict(t) for t in req.prompt_top_logprobs]
         return out
-
-
-def _stop_tp(holder: dict[str, Any], followers: Any) -> None:
-    from minisgl.distributed.group import destroy_tp_group
-
-    mirror, stopped = holder.get("mirror"), False
-    try:
-        stopped = mirror is not None and mirror.stop()
-    finally:
-        if stopped:
-            # Told to stop, the ranks leave the groups and exit. Leaving is collective in
-            # NCCL (each rank's teardown waits for the others'): leave with them, then wait
-            # for their exit. (Waiting first deadlocked on two GPUs.)
-            destroy_tp_group()
-            followers.shutdown(grace_s=10.0)
-        else:
-            # Startup failed, or a call failed part-way: the ranks may wait in the
-            # rendezvous or a collective. Stop them first.
-            followers.shutdown(grace_s=0.0)
-            destroy_tp_group()
-        holder.clear()  # the mirrored scheduler, and through it the engine

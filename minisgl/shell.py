@@ -11,7 +11,6 @@ Sampling is set with --temperature, --top-p and --max-tokens (shell flags).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ class ChatSession:
 
         # The offline LLM builds the engine, tokenizer and scheduler; with TP its scheduler
         # mirrors every call to the other ranks, which it starts and stops.
-        self.llm = LLM(**dataclasses.asdict(config))
+        self.llm = LLM.from_config(config)
         self.engine = self.llm.engine
         self.tokenizer = self.llm.tokenizer
         self.scheduler = self.llm.scheduler
@@ -121,7 +120,7 @@ def run_shell(config: EngineConfig, params: SamplingParams) -> int:
     print("Loading the model...", flush=True)
     try:
         chat = ChatSession(config, params)
-    except ValueError as exc:  # e.g. --node-rank 1: other nodes run minisgl.distributed.launch
+    except ValueError as exc:  # e.g. --node-rank 1: other nodes run minisgl.tp.launch
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -24,7 +24,7 @@ STEP_ENV = "MINISGL_IDEAL_STEP_MS"
 
 
 def run_ideal_scheduler(args: Any, report_queue: Any) -> None:
-    """Spawn target replacing minisgl.scheduler.process.run_scheduler."""
+    """Spawn target replacing minisgl.server.scheduler_process.run_scheduler."""
     from minisgl.ipc.child import run_child, setup_child
 
     setup_child(args.log_level)
@@ -99,7 +99,7 @@ def main() -> int:
         i = argv.index("--step-ms")
         os.environ[STEP_ENV] = argv[i + 1]
         del argv[i : i + 2]
-    import minisgl.scheduler.process as process
+    import minisgl.server.scheduler_process as process
     from minisgl.cli import main as minisgl_main
 
     # Runtime.start looks the target up here; spawn pickles it by module and name.

@@ -37,6 +37,18 @@ class BatchLayout:
         return all(e == 1 for e in self.extend_lens)
 
 
+@dataclass
+class ForwardBatch:
+    """Everything one model forward needs, passed explicitly to every layer."""
+
+    input_ids: torch.Tensor  # [T] token ids of every new token, rows back to back
+    positions: torch.Tensor  # [T] absolute positions
+    out_slots: torch.Tensor  # [T] KV slot where each new token's K/V goes
+    attn_backend: AttentionBackend
+    attn_metadata: object
+    logits_index: torch.Tensor  # [R] flat indices of the tokens whose next token is sampled
+
+
 def padded_batch_size(rows: int) -> int:
     """The size a decode batch of ``rows`` is planned and CUDA-graph captured as: 1, 2, 4, 8,
     then every 8 up to 64, every 16 beyond (little padding waste where it counts). Backends

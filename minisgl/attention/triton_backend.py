@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.base import AttentionBackend, BatchLayout, padded_batch_size
-from minisgl.engine.staging import DeviceStager
 from minisgl.kernels import cdiv
 from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.staging import DeviceStager
 from minisgl.kernels.store import store_kv
 from minisgl.kvcache.pool import KVPool
 

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from minisgl import env
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.distributed.topology import Topology, split_addr
+from minisgl.env import DIST_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def compute_timeout_s() -> float:
     """A collective (or the rendezvous) that waits longer than this means a rank died or the
     ranks diverged: fail instead of hanging. Tests lower it through the environment, which
     spawned ranks inherit."""
-    return env.DIST_TIMEOUT_S.get()
+    return DIST_TIMEOUT_S.get()
 
 
 def rank_device(config: EngineConfig, tp: TPInfo, device: torch.device) -> torch.device:
@@ -120,9 +120,5 @@ def destroy_tp_group() -> None:
 
     _control = None
     peer_all_reduce.reset()
-    if torch.cuda.is_available():
-        from minisgl.engine.cuda_graph import release_tp_graphs
-
-        release_tp_graphs()
     if dist.is_initialized():
         dist.destroy_process_group()

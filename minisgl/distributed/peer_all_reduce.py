@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl import env
+from minisgl.env import FUSED_ALL_REDUCE_NORM, GEMV_PUSH
 
 if TYPE_CHECKING:
     from minisgl.kernels.all_reduce_norm import LamportPush
@@ -66,8 +66,8 @@ class PeerAllReduce:
             symm_mem.rendezvous(buf, self.group_name)
             self.buffers[dtype] = buf
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
-        self.fuse_norm = env.FUSED_ALL_REDUCE_NORM.get()
-        self.gemv_push = env.GEMV_PUSH.get()
+        self.fuse_norm = FUSED_ALL_REDUCE_NORM.get()
+        self.gemv_push = GEMV_PUSH.get()
         # The partial sum a GEMV has pushed for the next add_rms_norm call (lamport_push).
         self._pushed: torch.Tensor | None = None
         self.pushes = 0  # GEMV calls set up to push (host side; a graph replays them)

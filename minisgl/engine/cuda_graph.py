@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from minisgl.attention.base import BatchLayout, padded_batch_size
-from minisgl.engine.batch import ForwardBatch
+from minisgl.attention.base import BatchLayout, ForwardBatch, padded_batch_size
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine

@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.attention.base import AttentionBackend, BatchLayout, ForwardBatch
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
-from minisgl.engine.batch import ForwardBatch
 from minisgl.engine.cuda_graph import CudaGraphRunner
 from minisgl.engine.logit_mask import apply_token_bitmask
 from minisgl.engine.sampler import (
@@ -26,7 +25,7 @@ from minisgl.engine.sampler import (
     SamplingBatch,
     SamplingRows,
 )
-from minisgl.engine.staging import DeviceStager
+from minisgl.kernels.staging import DeviceStager
 from minisgl.kvcache.kv_dtype import kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model

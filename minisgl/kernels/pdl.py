@@ -23,14 +23,14 @@ import functools
 import triton
 import triton.language as tl
 
-from minisgl import env
+from minisgl.env import PDL, TRITON_INTERPRET
 
 
 @functools.cache
 def pdl_enabled() -> bool:
     """True on CUDA devices of compute capability 9.0+, unless MINISGL_PDL=0 or under
     Triton's interpreter (which has no grid-dependency control)."""
-    if not env.PDL.get() or env.TRITON_INTERPRET.get() not in (None, "0"):
+    if not PDL.get() or TRITON_INTERPRET.get() not in (None, "0"):
         return False
     import torch
 

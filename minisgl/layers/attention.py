@@ -14,7 +14,7 @@ from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from minisgl.engine.batch import ForwardBatch
+    from minisgl.attention.base import ForwardBatch
 
 
 class SelfAttention(nn.Module):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.attention.base import ForwardBatch
 from minisgl.distributed import TPInfo
-from minisgl.engine.batch import ForwardBatch
 from minisgl.kernels import GemvTiles
 from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.attention import SelfAttention

@@ -20,7 +20,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from minisgl import env
+from minisgl.env import CACHE_DIR, XDG_CACHE_HOME
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +36,10 @@ _PIP_FLAGS = ["--no-deps", "--no-build-isolation", "--only-binary=:all:", "--ret
 
 def cache_dir() -> Path:
     """Where minisgl keeps downloaded artefacts: $MINISGL_CACHE_DIR, else the XDG cache dir."""
-    explicit = env.CACHE_DIR.get()
+    explicit = CACHE_DIR.get()
     if explicit:
         return Path(explicit).expanduser()
-    xdg = env.XDG_CACHE_HOME.get()
+    xdg = XDG_CACHE_HOME.get()
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "minisgl"
 

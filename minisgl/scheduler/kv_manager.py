@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.engine.staging import DeviceStager
+from minisgl.kernels.staging import DeviceStager
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache

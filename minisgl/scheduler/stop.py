@@ -5,14 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from minisgl.scheduler.request import Req
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer
 from minisgl.tokenizer.stop_regex import StopRegexFilter
-
-if TYPE_CHECKING:
-    from minisgl.config import EngineConfig
 
 
 class StopChecker:
@@ -149,12 +146,22 @@ class StopStringDecoder:
         return str(self.get_tokenizer().decode(ids, skip_special_tokens=True))
 
 
-def server_decoder(engine: Any, config: EngineConfig, copy_dir: str) -> Callable[[list[int]], str]:
-    """Ranks on node 0 read the tokenizer copy the worker saved; ranks on other nodes have no
-    such copy (nor worker) and load the tokenizer themselves, if a request needs it."""
-    from minisgl.distributed.rank_worker import LazyDecoder
-    from minisgl.distributed.topology import Topology
+class LazyDecoder:
+    """``decode`` for stop strings; loads the tokenizer only if a request uses them."""
 
-    if Topology.of(config).node_of(engine.tp.rank) == 0:
-        return StopStringDecoder(copy_dir)
-    return LazyDecoder(engine.resolved, config.tokenizer)
+    def __init__(self, resolved: Any, override: str | None) -> None:
+        self.resolved, self.override = resolved, override
+        self.tokenizer: Any = None
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            from minisgl.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.resolved, self.override)
+        return self.tokenizer
+
+    def __call__(self, ids: list[int]) -> str:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            return ""
+        return str(tokenizer.decode(ids, skip_special_tokens=True))

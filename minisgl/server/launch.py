@@ -4,7 +4,7 @@ Processes (all children use the ``spawn`` start method):
 
     main:            API server (FastAPI + uvicorn) + watchdog thread
     tokenizer:       tokenizes requests, detokenizes outputs (minisgl/tokenizer/worker.py)
-    scheduler-tp{r}: Engine + Scheduler loop of TP rank r (minisgl/scheduler/process.py)
+    scheduler-tp{r}: Engine + Scheduler loop of TP rank r (minisgl/server/scheduler_process.py)
 
 The listening socket is bound first (a busy port fails in milliseconds, not after the model
 loads) but not listened on, so connections are refused until every child has reported ready.
@@ -87,7 +87,7 @@ class Runtime:
         cls, config: EngineConfig, log_level: str, max_queued_requests: int | None = None
     ) -> Runtime:
         from minisgl.distributed.topology import Topology, with_init_addr
-        from minisgl.scheduler.process import SchedulerArgs, run_scheduler
+        from minisgl.server.scheduler_process import SchedulerArgs, run_scheduler
         from minisgl.tokenizer.worker import WorkerArgs, run_worker
 
         config = with_init_addr(config)  # one node: the ranks meet at a free local port

@@ -24,8 +24,8 @@ from minisgl.ipc.messages import (
     TokenizedRequest,
     TokenOutput,
 )
-from minisgl.scheduler.process import SchedulerArgs, SchedulerLoop
 from minisgl.server.protocol import check_sampling_fields
+from minisgl.server.scheduler_process import SchedulerArgs, SchedulerLoop
 
 
 class Harness:

@@ -256,7 +256,7 @@ def _loop_rank(config: Any, args: Any) -> None:
     from minisgl.distributed import TPInfo
     from minisgl.distributed.group import destroy_tp_group
     from minisgl.engine.engine import Engine
-    from minisgl.scheduler.process import SchedulerLoop
+    from minisgl.server.scheduler_process import SchedulerLoop
 
     loop = SchedulerLoop(Engine(config, TPInfo(1, 2)), args)
     loop.scheduler.overlap = True
@@ -283,7 +283,7 @@ def test_overlap_scheduling_keeps_the_ranks_in_step(
     from minisgl.engine.engine import Engine
     from minisgl.ipc import sockets
     from minisgl.ipc.messages import AbortRequests
-    from minisgl.scheduler.process import SchedulerArgs, SchedulerLoop
+    from minisgl.server.scheduler_process import SchedulerArgs, SchedulerLoop
     from tests.e2e.test_scheduler_process import Harness
 
     path = str(models["llama_kv1"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from minisgl.engine.staging import DeviceStager, Segment
+from minisgl.kernels.staging import DeviceStager, Segment
 
 pytestmark = [
     pytest.mark.gpu,

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from minisgl.cli import build_parser, engine_config
-from minisgl.config import EngineConfig
+from minisgl.config import EngineConfig, option_names
 from minisgl.ipc.messages import (
     AddRequests,
     StepOutputs,
@@ -187,8 +187,8 @@ def test_unregistered_objects_are_refused() -> None:
 def test_every_config_field_is_a_flag() -> None:
     parser = build_parser()
     flags = {opt for action in parser._actions for opt in action.option_strings}
-    for f in dataclasses.fields(EngineConfig):
-        assert "--" + f.name.replace("_", "-") in flags, f.name
+    for name in option_names(EngineConfig):
+        assert "--" + name.replace("_", "-") in flags, name
     for alias in ("--tp", "--model-path", "--host", "--port", "--shell", "--served-model-name"):
         assert alias in flags
 

@@ -232,10 +232,9 @@ def check_layer_uses_fused_path(device: torch.device) -> None:
     """SelfAttention with a backend that wants K/V stored by the layer: the same attention
     output and cache as with the unfused layer (on the CPU that one runs the torch norm and
     RoPE, so the comparison is close rather than equal; on CUDA it is exact)."""
-    from minisgl.attention.base import BatchLayout
+    from minisgl.attention.base import BatchLayout, ForwardBatch
     from minisgl.attention.triton_backend import TritonBackend
     from minisgl.distributed import TPInfo
-    from minisgl.engine.batch import ForwardBatch
     from minisgl.kvcache.pool import KVPool
     from minisgl.layers.attention import SelfAttention
     from minisgl.models.config import ModelConfig

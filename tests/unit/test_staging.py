@@ -11,7 +11,7 @@ import torch
 
 from minisgl.attention.base import BatchLayout
 from minisgl.attention.triton_backend import TritonBackend
-from minisgl.engine.staging import DeviceStager, Segment
+from minisgl.kernels.staging import DeviceStager, Segment
 from minisgl.kvcache.pool import KVPool
 
 

@@ -197,7 +197,7 @@ def test_multi_node_flags_two_simulated_nodes(models: dict[str, Path]) -> None:
     ref = LLM(path, **OPTIONS).generate(PROMPTS[:3], _greedy(5))
     addr = f"127.0.0.1:{free_port()}"
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "minisgl.distributed.launch", "--model", path, "--tp-size", "2",
+        [sys.executable, "-m", "minisgl.tp.launch", "--model", path, "--tp-size", "2",
          "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr, "--log-level", "warning",
          "--chunked-prefill-size", "16", "--num-pages", "512"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -263,7 +263,7 @@ def _server_follower(config: EngineConfig, out: Any) -> None:
 
     from minisgl.distributed import TPInfo
     from minisgl.distributed.group import destroy_tp_group, init_tp_group
-    from minisgl.distributed.server_sync import RankSync
+    from minisgl.tp.server_sync import RankSync
 
     tp = TPInfo(1, 2)
     init_tp_group(config, tp, torch.device("cpu"))
@@ -289,7 +289,7 @@ def _rank0_with_follower(
 
     from minisgl.distributed import TPInfo
     from minisgl.distributed.group import destroy_tp_group, init_tp_group
-    from minisgl.distributed.server_sync import RankSync
+    from minisgl.tp.server_sync import RankSync
 
     config = EngineConfig(tp_size=2, dist_init_addr=f"127.0.0.1:{free_port()}")
     ctx = mp.get_context("spawn")
@@ -325,7 +325,7 @@ def _mismatched_follower(config: EngineConfig, out: Any) -> None:
 
     from minisgl.distributed import TPInfo
     from minisgl.distributed.group import destroy_tp_group, init_tp_group
-    from minisgl.distributed.server_sync import RankSync
+    from minisgl.tp.server_sync import RankSync
 
     init_tp_group(config, TPInfo(1, 2), torch.device("cpu"))
     sync = RankSync(TPInfo(1, 2))

@@ -1,7 +1,7 @@
 """The process of one follower rank (rank >= 1) of an offline TP run.
 
 It builds the same Engine and Scheduler as rank 0 (its own weight shard), then applies the
-call stream rank 0 broadcasts (`minisgl.distributed.mirror.follow`) until told to stop. It
+call stream rank 0 broadcasts (`minisgl.tp.mirror.follow`) until told to stop. It
 leaves when rank 0 says stop, when its parent process dies (polled: the spawning thread may
 end before the process does, so PR_SET_PDEATHSIG is not used), or when a collective fails
 because a peer died.
@@ -34,27 +34,6 @@ class RankArgs:
     log_level: str = "warning"
 
 
-class LazyDecoder:
-    """``decode`` for stop strings; loads the tokenizer only if a request uses them."""
-
-    def __init__(self, resolved: Any, override: str | None) -> None:
-        self.resolved, self.override = resolved, override
-        self.tokenizer: Any = None
-
-    def get_tokenizer(self) -> Any:
-        if self.tokenizer is None:
-            from minisgl.tokenizer import load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.resolved, self.override)
-        return self.tokenizer
-
-    def __call__(self, ids: list[int]) -> str:
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            return ""
-        return str(tokenizer.decode(ids, skip_special_tokens=True))
-
-
 def run_rank(args: RankArgs) -> None:
     """Entry point of a spawned follower rank."""
     _setup(args)
@@ -75,10 +54,12 @@ def run_rank(args: RankArgs) -> None:
 def follow_offline(config: EngineConfig, rank: int) -> None:
     from minisgl.distributed import TPInfo
     from minisgl.distributed.channel import EventChannel
-    from minisgl.distributed.group import destroy_tp_group, share_cpu_threads
-    from minisgl.distributed.mirror import RankState, follow
+    from minisgl.distributed.group import share_cpu_threads
     from minisgl.engine.engine import Engine, pick_device
     from minisgl.scheduler.scheduler import Scheduler
+    from minisgl.scheduler.stop import LazyDecoder
+    from minisgl.tp import leave_tp_group
+    from minisgl.tp.mirror import RankState, follow
 
     tp = TPInfo(rank, config.tp_size)
     share_cpu_threads(config, pick_device(config.device))
@@ -88,7 +69,7 @@ def follow_offline(config: EngineConfig, rank: int) -> None:
     channel.handshake("offline")
     logger.info("rank %d ready on %s", rank, engine.device)
     follow(RankState(scheduler, rank), channel)
-    destroy_tp_group()
+    leave_tp_group()
 
 
 def _setup(args: RankArgs) -> None:

@@ -4,7 +4,7 @@ On node 0 the caller is rank 0 (the offline `LLM`, or the server's scheduler); i
 ranks ``1 .. R-1`` with `spawn_followers`. Every other node runs all of its ranks as
 followers:
 
-    python -m minisgl.distributed.launch --model M --tp-size 4 --nnodes 2 --node-rank 1 \\
+    python -m minisgl.tp.launch --model M --tp-size 4 --nnodes 2 --node-rank 1 \\
         --dist-init-addr <node0-host>:<port>
 
 (the same engine flags as node 0; the model must be at the same path on every node).
@@ -23,8 +23,8 @@ from multiprocessing.connection import wait as wait_sentinels
 from typing import Any
 
 from minisgl.config import EngineConfig
-from minisgl.distributed.rank_worker import RankArgs, run_rank
 from minisgl.distributed.topology import Topology
+from minisgl.tp.rank_worker import RankArgs, run_rank
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run every rank of a node other than node 0 until they all exit."""
     import argparse
 
-    from minisgl.cli import add_engine_flags, engine_config
+    from minisgl.config import add_engine_flags, engine_config
 
     parser = argparse.ArgumentParser(
-        prog="python -m minisgl.distributed.launch",
+        prog="python -m minisgl.tp.launch",
         description="Run the TP ranks of one node (node_rank >= 1) of a multi-node run.",
         allow_abbrev=False,
     )

@@ -1,4 +1,4 @@
-"""What the server's scheduler loop (minisgl/scheduler/process.py) needs to run on TP ranks.
+"""What the server's scheduler loop (minisgl/server/scheduler_process.py) needs to run on TP ranks.
 
 Every rank runs the same `SchedulerLoop`. Rank 0 reads its ZMQ inbox; before applying what
 it read, it calls ``sync.exchange(msgs)``, which hands every rank that same list (the other

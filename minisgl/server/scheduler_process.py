@@ -23,12 +23,14 @@ import functools
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from minisgl.config import EngineConfig
+from minisgl.distributed.topology import Topology
 from minisgl.ipc import sockets
 from minisgl.ipc.child import (
     freeze_startup_heap,
@@ -47,7 +49,7 @@ from minisgl.ipc.messages import (
 )
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.outputs import error_output, token_output
-from minisgl.scheduler.stop import StopStringDecoder, server_decoder
+from minisgl.scheduler.stop import LazyDecoder, StopStringDecoder
 
 if TYPE_CHECKING:
     from minisgl.scheduler.request import Req
@@ -111,16 +113,16 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
     if tp.size > 1:
         # Leave gloo/NCCL before the interpreter exits: tearing down a live group at exit
         # can abort the process ("terminate called without an active exception").
-        from minisgl.distributed.group import destroy_tp_group
+        from minisgl.tp import leave_tp_group
 
-        destroy_tp_group()
+        leave_tp_group()
 
 
 class SchedulerLoop:
     def __init__(self, engine: Any, args: SchedulerArgs) -> None:
-        from minisgl.distributed.mirror import RankState
-        from minisgl.distributed.server_sync import RankSync
         from minisgl.scheduler.scheduler import Scheduler
+        from minisgl.tp.mirror import RankState
+        from minisgl.tp.server_sync import RankSync
 
         self.engine = engine
         self.parent_pid = args.parent_pid
@@ -369,7 +371,7 @@ class SchedulerLoop:
     def _integrity(self, cid: int) -> None:
         """Every rank checks its own KV state; rank 0 answers for all of them, and fails the
         check too if the ranks no longer hold the same state (every step must agree)."""
-        from minisgl.distributed.mirror import report_problems
+        from minisgl.tp.mirror import report_problems
 
         own = self._check_integrity()
         reports = self.sync.gather({"rank": self.state.rank, "error": own, **self.state.summary()})
@@ -433,3 +435,11 @@ def _phase(req: Req) -> str:
     if req.state is ReqState.WAITING:
         return "waiting"
     return "prefill" if req.num_generated == 0 else "decode"
+
+
+def server_decoder(engine: Any, config: EngineConfig, copy_dir: str) -> Callable[[list[int]], str]:
+    """Ranks on node 0 read the tokenizer copy the worker saved; ranks on other nodes have no
+    such copy (nor worker) and load the tokenizer themselves, if a request needs it."""
+    if Topology.of(config).node_of(engine.tp.rank) == 0:
+        return StopStringDecoder(copy_dir)
+    return LazyDecoder(engine.resolved, config.tokenizer)
