@@ -127,10 +127,8 @@ class LLM:
         priorities = self._priorities(priority, len(prompts))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
         encoded = [self.encode(p) for p in prompts]
-        for ids in encoded:
-            self.scheduler.check_prompt(ids)
-        for p in params:
-            self.scheduler.grammar_matcher(p)  # a grammar that does not compile: ValueError
+        for ids, p, prio in zip(encoded, params, priorities, strict=True):
+            self.scheduler.check_request(ids, p, prio)
         items = [
             (ids, p, prio)
             for ids, p, prio in zip(encoded, params, priorities, strict=True)

@@ -139,6 +139,15 @@ class Scheduler:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
+    def check_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, priority: object = 0
+    ) -> None:
+        """ValueError naming the problem if this request can never be served: its prompt, its
+        priority under this scheduler's policy, or a constraint that does not compile."""
+        self.check_prompt(prompt_ids)
+        self.check_priority(priority)
+        self.grammar_matcher(params)  # compiled grammars are cached: adding it costs nothing
+
     def check_priority(self, priority: object) -> int:
         """ValueError naming ``priority`` if this scheduler cannot honour it."""
         return check_priority(priority, self.config.schedule_policy)

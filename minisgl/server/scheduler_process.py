@@ -258,9 +258,7 @@ class SchedulerLoop:
         try:
             params = [self._params(r.input_ids, r.params) for r in msg.reqs]
             for r, p in zip(msg.reqs, params, strict=True):
-                self.scheduler.check_prompt(r.input_ids)
-                self.scheduler.grammar_matcher(p)  # compiles (and caches) a bad grammar: 400
-                self.scheduler.check_priority(r.priority)  # non-zero without the policy: 400
+                self.scheduler.check_request(r.input_ids, p, r.priority)
                 if r.rid in self.live:
                     raise ValueError(f"request id {r.rid} is already in use")
         except (ValueError, TypeError) as exc:

@@ -125,7 +125,7 @@ class RankState:
 class MirroredScheduler:
     """Rank 0's scheduler handle: the `Scheduler` interface, mirrored to every rank.
 
-    Reads (``running``, ``kv``, ``has_work``, ``check_prompt`` ...) go to rank 0's own
+    Reads (``running``, ``kv``, ``has_work``, ``check_request`` ...) go to rank 0's own
     scheduler. Mutate it only through these methods: a direct change on rank 0 (say, of
     ``stop_checker``) would make the ranks diverge.
     """
@@ -163,8 +163,7 @@ class MirroredScheduler:
         full = [(*item, 0) if len(item) == 2 else item for item in items]
         for ids, params, priority in full:  # validate on rank 0: followers never see a bad item
             params.validate()
-            self._local.check_prompt(ids)
-            self._local.check_priority(priority)
+            self._local.check_request(ids, params, priority)
         adds = [self._item(next(self._local.uids), ids, p, prio) for ids, p, prio in full]
         return list(self._call("add", adds))
 
@@ -186,8 +185,7 @@ class MirroredScheduler:
     ) -> Req:
         if uid is not None:
             params.validate()
-            self._local.check_prompt(prompt_ids)
-            self._local.check_priority(priority)
+            self._local.check_request(prompt_ids, params, priority)
             return list(self._call("add", [self._item(uid, prompt_ids, params, priority)]))[0]
         return self.add_requests([(prompt_ids, params, priority)])[0]
 
