@@ -108,13 +108,6 @@ class EngineConfig:
     dist_init_addr: str | None = option(
         None, "rank 0's host:port for the rendezvous (default on one node: a free local port)"
     )
-    speculative_algorithm: str | None = option(
-        None, "ngram | draft (default: draft when a draft model is given)"
-    )
-    speculative_num_steps: int = option(4, "draft tokens proposed per request per step")
-    speculative_draft_model: str | None = option(
-        None, "draft model (same vocabulary) for --speculative-algorithm draft"
-    )
     init_new_token_ratio: float = option(
         0.7, "admission: expected share of max_tokens still to come, at first"
     )
@@ -123,8 +116,6 @@ class EngineConfig:
     extensions: tuple[object, ...] = field(default=(), metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        if self.speculative_draft_model is not None and self.speculative_algorithm is None:
-            object.__setattr__(self, "speculative_algorithm", "draft")
         for name, ok, want in _CHECKS:
             if not ok(self):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {want(self)}")
@@ -147,7 +138,7 @@ class EngineConfig:
         unknown = set(kwargs) - taken
         if unknown:
             raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}{_loaded_note()}")
-        exts = tuple(_build(g.options, kwargs) for g in groups)
+        exts: tuple[object, ...] = tuple(_build(g.options, kwargs) for g in groups)
         config = cls(**_pick(cls, kwargs), extensions=exts)
         for g in groups:
             g.check(config)
@@ -205,22 +196,6 @@ _CHECKS: list[tuple[str, Callable[[EngineConfig], bool], Callable[[EngineConfig]
         ),
     ),
     ("tp_size", lambda c: c.tp_size >= 1, _want(">= 1")),
-    (
-        "speculative_algorithm",
-        lambda c: c.speculative_algorithm in (None, "ngram", "draft"),
-        _want("None, ngram or draft"),
-    ),
-    (
-        "speculative_draft_model",
-        lambda c: (c.speculative_algorithm == "draft") == (c.speculative_draft_model is not None),
-        _want("required with speculative_algorithm=draft, and only then"),
-    ),
-    (
-        "speculative_draft_model",
-        lambda c: c.speculative_draft_model is None or c.tp_size == 1,
-        _want("not supported with tp_size > 1 yet"),
-    ),
-    ("speculative_num_steps", lambda c: 1 <= c.speculative_num_steps <= 16, _want("in [1, 16]")),
     ("nnodes", lambda c: c.nnodes >= 1, _want(">= 1")),
     ("nnodes", lambda c: c.tp_size % c.nnodes == 0, _want("must divide tp_size={c.tp_size}")),
     ("node_rank", lambda c: 0 <= c.node_rank < c.nnodes, _want("in [0, nnodes={c.nnodes})")),

@@ -18,10 +18,10 @@ from typing import Any
 from minisgl.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.plugins import counter_fields
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stop import TokenizerDecoder, regex_cut
-from minisgl.speculative.report import spec_report
 from minisgl.tokenizer import load_tokenizer, render_chat, trim_stop
 
 Prompt = str | Sequence[int]
@@ -250,10 +250,7 @@ class LLM:
             out["logprobs"] = list(req.output_logprobs)
         if p.top_logprobs:
             out["top_logprobs"] = [dict(t) for t in req.output_top_logprobs]
-        if self.config.speculative_algorithm:
-            out.update(
-                spec_report(req.spec_verify_steps, req.spec_draft_tokens, req.spec_accepted_tokens)
-            )
+        out.update(counter_fields(self.config, req.counters))
         if p.prompt_logprobs is not None:
             out["prompt_logprobs"] = list(req.prompt_logprobs)
             if p.prompt_logprobs:

@@ -19,14 +19,12 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from minisgl.attention.base import BatchLayout, ForwardBatch, padded_batch_size
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from minisgl.attention.base import AttentionBackend, BatchLayout, ForwardBatch, padded_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +38,7 @@ def release_tp_graphs() -> None:
     hangs; PyTorch issue 115388). Those runners then run nothing; a TP=1 engine alive in
     the same process keeps its graphs."""
     for runner in list(_live):
-        if runner.engine.tp.size > 1:
+        if runner.target.tp_size > 1:
             runner.release()
 
 
@@ -55,9 +53,23 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted({padded_batch_size(n) for n in range(1, max_bs + 1)})
 
 
+@dataclass(frozen=True)
+class GraphTarget:
+    """What the graphs capture: the model and attention backend of one engine, the page
+    table they read, and its scratch slot and context length."""
+
+    model: Any  # the CausalLM: its decoder stack (``.model``) and ``logits``
+    attn_backend: AttentionBackend
+    page_table: torch.Tensor
+    scratch_slot: int
+    context_length: int
+    device: torch.device
+    tp_size: int
+
+
 class CudaGraphRunner:
-    def __init__(self, engine: Engine, max_bs: int, max_tokens: int = 0) -> None:
-        self.engine = engine
+    def __init__(self, engine: GraphTarget, max_bs: int, max_tokens: int = 0) -> None:
+        self.engine = self.target = engine
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
         backend = engine.attn_backend

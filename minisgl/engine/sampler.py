@@ -21,15 +21,15 @@ from minisgl.sampling_params import SamplingParams
 TOP_K_OFF = 1 << 30
 
 
-def _i64(c: int) -> int:
+def i64(c: int) -> int:
     """The int64 with the same low 64 bits as `c` (torch has no full uint64 arithmetic)."""
     c &= (1 << 64) - 1
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-_GAMMA = _i64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd, golden ratio)
-_MUL1 = _i64(0xBF58476D1CE4E5B9)
-_MUL2 = _i64(0x94D049BB133111EB)
+_GAMMA = i64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd, golden ratio)
+_MUL1 = i64(0xBF58476D1CE4E5B9)
+_MUL2 = i64(0x94D049BB133111EB)
 
 
 def _shr(z: Tensor, k: int) -> Tensor:
@@ -208,7 +208,7 @@ class SamplingRows:
                 need_min_p = need_min_p or p.min_p > 0.0
                 max_k = max(max_k, k)
                 fl.append((p.temperature, p.top_p, p.min_p, rep, freq, pres))
-            ints.append((k, _i64(seed)))
+            ints.append((k, i64(seed)))
         return cls(
             floats=np.asarray(fl, dtype=np.float32).reshape(-1, 6).T.copy(),
             ints=np.asarray(ints, dtype=np.int64).reshape(-1, 2).T.copy(),

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.env import CPU_ONEDNN, FUSED_GATE_UP, TRITON_GEMV
+import minisgl.env as env
 from minisgl.kernels import GemvTiles
 
 
@@ -37,11 +37,11 @@ def _onednn_available() -> bool:
     )
 
 
-ONEDNN = _onednn_available() and CPU_ONEDNN.get()
-TRITON_GEMV = TRITON_GEMV.get()
+ONEDNN = _onednn_available() and env.CPU_ONEDNN.get()
+TRITON_GEMV = env.TRITON_GEMV.get()
 # Batch 1: the MLP's SiLU-and-mul in the gate/up GEMV's epilogue (bit-equal, one kernel
 # less per layer). Off until measured on the H200 (benchmark/RESULTS.md).
-FUSED_GATE_UP = FUSED_GATE_UP.get()
+FUSED_GATE_UP = env.FUSED_GATE_UP.get()
 _gemv: Any = None  # kernels.gemv.gemv, imported by pack_model (CPU installs never import triton)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minisgl.env import INT4_GEMV
+import minisgl.env as env
 
 # Column j of each group of 8 sits at nibble AWQ_NIBBLE[j] (inverse of the packing order).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -214,7 +214,7 @@ def finish_int4(layer: Any, dtype: torch.dtype) -> None:
 
 
 # MINISGL_INT4_GEMV=0: the int4 GEMM for every row count (no batch-1 GEMV).
-INT4_GEMV = INT4_GEMV.get()
+INT4_GEMV = env.INT4_GEMV.get()
 INT4_GEMV_MAX_ROWS = 4  # kernels/int4_gemv.py's MAX_ROWS (not imported: CPU needs no triton)
 
 

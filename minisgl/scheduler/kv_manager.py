@@ -6,7 +6,7 @@ node), or a request's private range ``[tree_len, alloc_len)`` of its page-table 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -29,14 +29,12 @@ class KVManager:
         max_requests: int,
         cache_kind: str,
         stager: DeviceStager | None = None,
-        draft_kv: bool = False,
     ) -> None:
         self.page_size = page_size
         self.stager = stager or DeviceStager(page_table.device)
-        # A draft model keeps its K/V in a pool that mirrors this one's slots; only tokens
-        # whose draft K/V is written as well (req.draft_len) may enter the prefix cache, so
-        # that every cached slot serves both models.
-        self.draft_kv = draft_kv
+        # How many leading tokens of a request may enter the prefix cache: those whose K/V is
+        # written (a speculator with a K/V pool of its own may allow fewer, see plugins.py).
+        self.cacheable: Callable[[Req], int] = _kv_len
         self.device_table = page_table
         # The host mirror is what the scheduler reads; on CPU it is the same tensor.
         self.host_table = (
@@ -77,7 +75,7 @@ class KVManager:
         match = self.cached_prefix(req)
         self.cache.lock(match.node)
         req.tree_node, req.tree_len = match.node, match.length
-        req.kv_len = req.alloc_len = req.draft_len = match.length
+        req.kv_len = req.alloc_len = match.length
         if match.length:
             self.host_table[req.row, : match.length] = match.slots
             self._dirty.append(ranges([req.row], [0], [match.length]))
@@ -133,8 +131,7 @@ class KVManager:
         """Hand the computed, page-aligned prefix to the prefix cache (request keeps it locked)."""
         if not self.reuse:
             return
-        valid = min(req.kv_len, req.draft_len) if self.draft_kv else req.kv_len
-        n = valid // self.page_size * self.page_size
+        n = self.cacheable(req) // self.page_size * self.page_size
         if n <= req.tree_len:
             return
         tokens = req.token_slice(0, n)
@@ -164,7 +161,7 @@ class KVManager:
         self.cache.unlock(req.tree_node)
         self.free_rows.append(req.row)
         req.row, req.tree_node = -1, None
-        req.kv_len = req.alloc_len = req.tree_len = req.draft_len = 0
+        req.kv_len = req.alloc_len = req.tree_len = 0
 
     # ------------------------------------------------------------ device mirror
     def flush(self) -> None:
@@ -209,12 +206,6 @@ class KVManager:
         live = list(live)
         self.cache.check_integrity(in_use_pages=self.private_pages(live))
         rows = [r.row for r in live if r.row >= 0]
-        if self.draft_kv:
-            for r in live:
-                assert r.row < 0 or r.tree_len <= r.draft_len <= r.kv_len, (
-                    f"draft K/V of request {r.uid} out of step: tree {r.tree_len}, "
-                    f"draft {r.draft_len}, target {r.kv_len}"
-                )
         assert len(set(rows)) == len(rows), "a page-table row is owned twice"
         if self.reuse:
             for r in live:
@@ -223,6 +214,10 @@ class KVManager:
         assert len(rows) + len(self.free_rows) == self.max_requests, (
             f"row leak: {len(rows)} live + {len(self.free_rows)} free != {self.max_requests}"
         )
+
+
+def _kv_len(req: Req) -> int:
+    return req.kv_len
 
 
 def _path(node: Any) -> tuple[list[int], list[torch.Tensor]]:

@@ -22,9 +22,9 @@ def token_output(req: Req, start: int) -> TokenOutput:
         cached_tokens=req.cached_tokens,
         finish_reason=req.finish_reason if req.finished else None,
         matched_stop=req.matched_stop if req.finished else None,
-        spec_verify_steps=req.spec_verify_steps,
-        spec_draft_tokens=req.spec_draft_tokens,
-        spec_accepted_tokens=req.spec_accepted_tokens,
+        spec_verify_steps=req.counters.get("spec_verify_steps", 0),
+        spec_draft_tokens=req.counters.get("spec_draft_tokens", 0),
+        spec_accepted_tokens=req.counters.get("spec_accepted_tokens", 0),
         queue_time=req.queue_time,
     )
     if start == 0 and req.params.prompt_logprobs is not None:

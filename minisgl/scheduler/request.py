@@ -37,23 +37,15 @@ class Req:
     # prompt_logprobs[i] is the logprob of prompt token i + 1 given the tokens before it.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    error: str | None = None
     admit_order: int = 0
     priority: int = 0  # --schedule-policy priority: lower values are served first
     arrival: int = 0  # the scheduler's arrival counter: ties between equal priorities
-    drafter: object | None = None  # speculative n-gram index over the request's tokens
-    draft: list[int] = field(default_factory=list)  # n-gram tokens proposed for this step
-    num_draft: int = 0  # draft tokens verified in this step (0: a plain decode)
-    draft_len: int = 0  # leading tokens whose draft-model K/V is in the draft pool
-    # Speculation totals (reported with the output): verify steps, drafted, accepted.
-    spec_verify_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
     inflight: int = 0  # tokens sampled on the device whose values the host has not seen yet
-    grammar: object | None = None  # structured output's matcher (scheduler/grammar.py)
-    # Reasoning (grammar_after): the grammar applies once the output ends with these tokens;
-    # () once it does (or from the start).
-    grammar_wait: tuple[int, ...] = ()
+    # The request's constraint state, owned by the ConstraintBackend (scheduler/plugins.py).
+    constraint: object | None = None
+    # Per-request totals that extensions keep (e.g. draft tokens verified), reported with
+    # the output.
+    counters: dict[str, int] = field(default_factory=dict)
     stop_regex: object | None = None  # the output text's stop_regex matcher (scheduler/stop.py)
     arrived: float = field(default_factory=time.monotonic)  # added to the scheduler
     queue_time: float = 0.0  # seconds from arrival to first admission
@@ -89,3 +81,13 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.state is ReqState.FINISHED
+
+
+@dataclass
+class Row:
+    """One request's part of a step."""
+
+    req: Req
+    extend: int  # new tokens it feeds (for a decode row: 1 plus its drafts)
+    samples: bool  # its last new token samples the request's next token
+    drafts: int = 0  # draft tokens it verifies (a decode row of a speculating request)

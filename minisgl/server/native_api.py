@@ -12,13 +12,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+from minisgl.extensions.speculative.report import spec_report
 from minisgl.ipc.messages import ControlReply, TextOutput
 from minisgl.server.errors import APIError, bad_request
 from minisgl.server.frontend import RequestGroup, SequenceResult, ServiceUnavailable, make_items
 from minisgl.server.protocol import GenerateRequest, choice_params
 from minisgl.server.state import ServerState, server_state
 from minisgl.server.streaming import respond, sse, sse_stream
-from minisgl.speculative.report import spec_report
 
 router = APIRouter()
 

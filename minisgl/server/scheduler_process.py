@@ -105,7 +105,7 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
                 "page_size": args.config.page_size,
                 "model_path": str(engine.resolved.path),
                 "device": str(engine.device),
-                "speculative_algorithm": args.config.speculative_algorithm,
+                "speculative_algorithm": _speculative_algorithm(args.config),
             }
         )
         freeze_startup_heap()
@@ -399,9 +399,9 @@ class SchedulerLoop:
             "prefix_matched_tokens": stats.matched_tokens,
             "retractions": s.num_retractions,
             "priority_preemptions": s.num_priority_preemptions,
-            "spec_verify_steps": s.stats["spec_rows"],
-            "spec_draft_tokens": s.stats["spec_drafted"],
-            "spec_accepted_tokens": s.stats["spec_accepted"],
+            "spec_verify_steps": s.stats.get("spec_rows", 0),
+            "spec_draft_tokens": s.stats.get("spec_drafted", 0),
+            "spec_accepted_tokens": s.stats.get("spec_accepted", 0),
             "integrity_checks": self.integrity_checks,
             "integrity_violations": self.integrity_violations,
             "rejected_queue_full": self.rejected_queue_full,
@@ -441,3 +441,12 @@ def server_decoder(engine: Any, config: EngineConfig, copy_dir: str) -> Callable
     if Topology.of(config).node_of(engine.tp.rank) == 0:
         return StopStringDecoder(copy_dir)
     return LazyDecoder(engine.resolved, config.tokenizer)
+
+
+def _speculative_algorithm(config: EngineConfig) -> str | None:
+    # Interim: the server decides from this whether responses carry speculation figures.
+    for group in config.extensions:
+        algorithm = getattr(group, "speculative_algorithm", None)
+        if algorithm is not None:
+            return str(algorithm)
+    return None

@@ -19,10 +19,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from minisgl.extensions.speculative.report import spec_report
 from minisgl.ipc.messages import TextOutput
 from minisgl.server.errors import engine_error, sse_error
 from minisgl.server.frontend import ClientGone, RequestGroup, SequenceResult
-from minisgl.speculative.report import spec_report
 
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; the client never sees it

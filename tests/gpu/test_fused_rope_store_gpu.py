@@ -59,7 +59,7 @@ def _greedy(path: Path, fused: bool, **options: object) -> list[list[int]]:
     prompts, params = _workload()
     llm = LLM(str(path), disable_fused_rope_store=not fused, **options)  # type: ignore[arg-type]
     assert llm.engine.attn_backend.fused_kv_store == fused
-    draft = getattr(llm.scheduler.spec, "draft", None)  # a draft model's own engine
+    draft = getattr(llm.scheduler.speculator, "draft", None)  # a draft model's own engine
     if draft is not None:
         assert draft.attn_backend.fused_kv_store == fused
     out = [r["token_ids"] for r in llm.generate(prompts, params)]

@@ -44,7 +44,7 @@ def _finishing_step(s: Scheduler, victim: Req) -> None:
 
 def _retracted(s: Scheduler, victim: Req) -> None:
     _until(s, lambda: len(victim.output_ids) >= 1)
-    s._retract(victim)  # as when the pool runs dry during decode
+    s.preemption.retract(victim)  # as when the pool runs dry during decode
     assert victim in s.waiting and victim.output_ids
 
 

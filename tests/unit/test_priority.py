@@ -96,13 +96,13 @@ def test_preemption_victim_is_the_later_arrival(tiny_models: dict[str, Path]) ->
     sched = llm.scheduler
     sched.overlap = False
     victims: list[Req] = []
-    retract = sched._retract
+    retract = sched.preemption.retract
 
     def spy(req: Req, overcommitted: bool = True) -> None:
         victims.append(req)
         retract(req, overcommitted)
 
-    sched._retract = spy  # type: ignore[method-assign]
+    sched.preemption.retract = spy  # type: ignore[method-assign]
     a = sched.add_request(PROMPTS[0], _greedy(20), priority=4)
     b = sched.add_request(PROMPTS[1], _greedy(20), priority=7)  # least important
     while not all(r.output_ids for r in (a, b)):
@@ -128,13 +128,13 @@ def test_retraction_under_memory_pressure(tiny_models: dict[str, Path], policy: 
     sched = llm.scheduler
     sched.overlap = False
     seen: list[tuple[Req, list[Req]]] = []
-    retract = sched._retract
+    retract = sched.preemption.retract
 
     def spy(req: Req, overcommitted: bool = True) -> None:
         seen.append((req, list(sched.running)))
         retract(req, overcommitted)
 
-    sched._retract = spy  # type: ignore[method-assign]
+    sched.preemption.retract = spy  # type: ignore[method-assign]
     prompts = [list(range(10 * i + 3, 10 * i + 13)) for i in range(5)]
     priorities = [2, 0, 3, 1, 0] if policy == "priority" else [0] * 5
     reqs = [sched.add_request(p, _greedy(50), priority=q) for p, q in zip(prompts, priorities)]

@@ -61,30 +61,30 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(
     sched = llm.scheduler
     sched.overlap = overlap
     init, floor = sched.config.init_new_token_ratio, sched.config.min_new_token_ratio
-    decay = sched.ratio_decay
+    decay = sched.admission.ratio_decay
     assert init > floor and decay == pytest.approx((init - floor) / 600)
-    assert sched.new_token_ratio == init
+    assert sched.admission.ratio == init
 
     # Each retraction: the victim, the decodes that wanted a page, the pages there were.
     retractions: list[tuple[Req, int, int]] = []
-    retract = sched._retract
+    retract = sched.preemption.retract
 
     def spy(req: Req, overcommitted: bool = True) -> None:
         assert overcommitted, "fcfs never preempts for priority"
-        decodes, _ = sched._split_running()
+        decodes, _ = sched.decodes.split(sched.running)
         retractions.append((req, len(decodes), sched.kv.available_pages))
         retract(req, overcommitted)
-        assert sched.new_token_ratio == init  # guessed too much room: conservative again
+        assert sched.admission.ratio == init  # guessed too much room: conservative again
         assert req.state is ReqState.WAITING and req.row < 0 and req.kv_len == 0
         assert req is sched.waiting[0] and req not in sched.running
 
-    sched._retract = spy  # type: ignore[method-assign]
+    sched.preemption.retract = spy  # type: ignore[method-assign]
     prompts = _ratio_prompts()
     reqs = [sched.add_request(p, _greedy(MAX_TOKENS)) for p in prompts]
     peak = 0
     while sched.has_work:
         ratio, n_retracted, n_launched = (
-            sched.new_token_ratio,
+            sched.admission.ratio,
             sched.num_retractions,
             sched.stats["steps"],
         )
@@ -95,8 +95,8 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(
         launched = sched.stats["steps"] - n_launched
         if sched.num_retractions > n_retracted:
             ratio = init  # reset by the retraction, before this step's batch was launched
-        assert sched.new_token_ratio == pytest.approx(max(floor, ratio - decay * launched))
-        assert floor <= sched.new_token_ratio <= init
+        assert sched.admission.ratio == pytest.approx(max(floor, ratio - decay * launched))
+        assert floor <= sched.admission.ratio <= init
     assert peak > 4, f"admission was not optimistic: at most {peak} requests ran at once"
     assert retractions, "the pool was meant to run out"
     for victim, decodes, available in retractions:
@@ -109,9 +109,9 @@ def test_optimistic_admission_retracts_and_resets_the_ratio(
 
     # The floor: a decay that would cross it stops at it.
     req = sched.add_request(prompts[0], _greedy(2))
-    sched.new_token_ratio = floor + decay / 3
+    sched.admission.ratio = floor + decay / 3
     sched.step()
-    assert sched.new_token_ratio == floor
+    assert sched.admission.ratio == floor
     while sched.has_work:
         sched.step()
     assert req.finished
@@ -132,7 +132,7 @@ def test_finishing_requests_are_not_retracted(tiny_models: dict[str, Path], over
     assert all(len(r["token_ids"]) == 5 for r in out)
     assert sched.num_retractions == 0
     launched = sched.stats["steps"]
-    assert sched.new_token_ratio == pytest.approx(init - sched.ratio_decay * launched)
+    assert sched.admission.ratio == pytest.approx(init - sched.admission.ratio_decay * launched)
     assert_engine_clean(llm)
 
 

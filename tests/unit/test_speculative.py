@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.speculative.ngram import NgramDrafter
-from minisgl.speculative.verify import verify, verify_greedy
+from minisgl.extensions.speculative.ngram import NgramDrafter
+from minisgl.extensions.speculative.verify import verify, verify_greedy
 
 
 def test_ngram_proposes_the_latest_continuation() -> None:

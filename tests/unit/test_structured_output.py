@@ -200,8 +200,8 @@ def test_a_prompt_that_closed_the_thinking_is_constrained_at_once(llm: LLM) -> N
     )
     opened = prompt + llm.tokenizer.encode("<think>", add_special_tokens=False)
     marker = tuple(llm.tokenizer.encode("</think>", add_special_tokens=False))
-    assert llm.scheduler.grammar.wait_for("</think>", closed) == ()
-    assert llm.scheduler.grammar.wait_for("</think>", opened) == marker
+    assert llm.scheduler.constraints.wait_for("</think>", closed) == ()
+    assert llm.scheduler.constraints.wait_for("</think>", opened) == marker
     schema = json.dumps(CITY)
     plain = SamplingParams(temperature=0, max_tokens=64, json_schema=schema)
     waits = dataclasses.replace(plain, grammar_after="</think>")

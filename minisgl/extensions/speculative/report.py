@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Per-request counters (Req.counters) the speculator keeps.
+VERIFY_STEPS, DRAFTED, ACCEPTED = "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens"
+
 
 def spec_report(verify_steps: int, draft_tokens: int, accepted_tokens: int) -> dict[str, Any]:
     """``spec_accept_length``: tokens emitted per verify step, i.e. the accepted drafts plus

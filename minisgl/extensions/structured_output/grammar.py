@@ -7,15 +7,16 @@ allowed); the engine sets every other logit to -inf before sampling, so penaltie
 and greedy all choose among allowed tokens. After the step the matcher accepts the token;
 once it has accepted a stop token (or the grammar admits nothing more) the request ends with
 finish reason "stop". The bitmask needs the previous token on the host, so a batch with a
-constrained row is not overlapped with the next (scheduler.py).
+constrained row is not overlapped with the next (scheduler.py). It plugs into the scheduler
+as a `ConstraintBackend` (minisgl/scheduler/plugins.py).
 
 JSON schemas compile without free whitespace between tokens (compact JSON: ``{"a": 1}``):
 with free whitespace a model can emit blank lines forever without breaking the grammar.
 
 Reasoning models (``grammar_after``, e.g. ``"</think>"``): the matcher waits while the model
 thinks. Its rows are unconstrained (no bitmask) and it accepts nothing until the output ends
-with the marker's tokens (``grammar_wait``: only the newest token is compared with the
-marker's last, then its tail with the marker); from the next token on it constrains as above.
+with the marker's tokens (``wait``: only the newest token is compared with the marker's
+last, then its tail with the marker); from the next token on it constrains as above.
 A prompt that already closed the thinking (Qwen3's template with ``enable_thinking: false``
 ends with ``<think>\n\n</think>\n\n``) is constrained from the first token. Waiting rows
 still keep their batch from being overlapped: the step after the marker needs the bitmask.
@@ -23,15 +24,31 @@ still keep their batch from being overlapped: the step after the marker needs th
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from minisgl.sampling_params import SamplingParams
+from minisgl.scheduler.request import Req
+
+logger = logging.getLogger(__name__)
+
 # Whitespace tokens a prompt may end with after ``grammar_after``'s marker and still count
 # as having closed the thinking (Qwen3's template: one "\n\n" token).
 PROMPT_TAIL_TOKENS = 4
+
+
+@dataclass
+class GrammarState:
+    """A request's grammar: its matcher, and the marker tokens it still waits for (() once
+    the grammar applies)."""
+
+    matcher: Any
+    wait: tuple[int, ...] = ()
 
 
 class GrammarBackend:
@@ -116,13 +133,41 @@ class GrammarBackend:
                 break
         return ids
 
-    def bitmask(self, matchers: Sequence[Any | None]) -> torch.Tensor:
-        """int32 [len(matchers), ceil(V / 32)]: row i the tokens matcher i allows next (all
-        tokens for an unconstrained row, None)."""
+    def start(self, params: SamplingParams, prompt_ids: Sequence[int]) -> GrammarState | None:
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        matcher = self.matcher(*grammar)
+        return GrammarState(matcher, self.wait_for(params.grammar_after, prompt_ids))
+
+    def bitmask(self, states: Sequence[object | None]) -> torch.Tensor | None:
+        """int32 [len(states), ceil(V / 32)]: row i the tokens state i allows next (every
+        token for a row without a grammar or still waiting for its marker); None if no row
+        is constrained now."""
+        live = [s.matcher if isinstance(s, GrammarState) and not s.wait else None for s in states]
+        if all(m is None for m in live):
+            return None
         import xgrammar as xgr
 
-        mask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, m in enumerate(matchers):
+        mask = xgr.allocate_token_bitmask(len(live), self.vocab_size)
+        for i, m in enumerate(live):
             if m is not None:
                 m.fill_next_token_bitmask(mask, i)
         return mask
+
+    def advance(self, req: Req, token: int) -> bool:
+        """Advance the request's matcher by its new token; True once the grammar is complete
+        (it accepted a stop token, or nothing can follow). While the request waits for the
+        end of its reasoning the token only counts towards that marker."""
+        state = req.constraint
+        assert isinstance(state, GrammarState)
+        wait = state.wait
+        if wait:
+            if token == wait[-1] and tuple(req.output_ids[-len(wait) :]) == wait:
+                state.wait = ()  # the reasoning ended: the grammar applies from now on
+            return False
+        if not state.matcher.accept_token(token):
+            # Only allowed tokens are sampled; this would be a bug, so end the request visibly.
+            logger.error("request %s sampled token %d outside its grammar", req.uid, token)
+            return True
+        return bool(state.matcher.is_terminated())

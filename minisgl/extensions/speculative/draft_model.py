@@ -4,7 +4,7 @@ per request by K batched autoregressive forwards; the target verifies them in on
 KV layout: the draft engine shares the target's page table and has a pool of the same page
 count, so a token's draft K/V sits at the same slot index as its target K/V. Allocation,
 the radix cache, retraction and rollback are therefore the target's alone: pages are freed
-once for both. ``req.draft_len`` counts the leading tokens whose draft K/V is written; only
+once for both. A request's ``draft_len`` counts the leading tokens whose draft K/V is written; only
 tokens below it may enter the prefix cache (see KVManager.cache_prefix), so a cache hit
 brings valid draft K/V along. Draft K/V past draft_len (rejected drafts) is overwritten.
 
@@ -20,42 +20,46 @@ Draft tokens and the draft's distributions q stay on the device; the target read
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from minisgl.attention.base import BatchLayout
 from minisgl.config import EngineConfig
-from minisgl.engine.engine import Engine, _default_dtype, read_hf_config
-from minisgl.engine.sampler import _i64, race
+from minisgl.engine.engine import Engine
+from minisgl.engine.sampler import i64, race
+from minisgl.engine.setup import default_dtype, read_hf_config
+from minisgl.extensions.speculative.options import SpeculativeOptions, without_speculation
+from minisgl.extensions.speculative.speculator import Proposal, SpeculatorBase
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.config import ModelConfig
 from minisgl.models.resolve import resolve_model_path
-from minisgl.scheduler.kv_manager import ranges
-from minisgl.scheduler.request import Req
-from minisgl.speculative.speculator import BatchRow, Proposal, Speculator
+from minisgl.scheduler.kv_manager import KVManager, ranges
+from minisgl.scheduler.request import Req, Row
 
 # Draft sampling noise must be independent of the verifier's (same seed, same positions).
-_DRAFT_SALT = _i64(0xD1B54A32D192ED03)
+_DRAFT_SALT = i64(0xD1B54A32D192ED03)
 
 
-def _draft_model_config(config: EngineConfig) -> ModelConfig:
-    assert config.speculative_draft_model is not None
-    resolved = resolve_model_path(config.speculative_draft_model)
-    return ModelConfig.from_dict(read_hf_config(resolved))
+def _draft_model_config(path: str) -> ModelConfig:
+    return ModelConfig.from_dict(read_hf_config(resolve_model_path(path)))
 
 
 def draft_footprint(
     config: EngineConfig, dtype: torch.dtype, kv_dtype: torch.dtype
 ) -> tuple[int, int]:
     """(weight bytes, KV bytes per page) of the draft model, before it is loaded: the
-    target's pool is sized to leave room for both. Weights are in ``dtype``, the draft's
-    pool in ``kv_dtype`` (the same --kv-cache-dtype as the target's)."""
+    target's pool is sized to leave room for both (0, 0 without one). Weights are in
+    ``dtype``, the draft's pool in ``kv_dtype`` (the same --kv-cache-dtype as the target's)."""
     from minisgl.distributed import TPInfo
     from minisgl.models.registry import build_model
 
-    cfg = _draft_model_config(config)
-    with _default_dtype(dtype), torch.device("meta"):
+    path = config.ext(SpeculativeOptions).speculative_draft_model
+    if path is None:
+        return 0, 0
+    cfg = _draft_model_config(path)
+    with default_dtype(dtype), torch.device("meta"):
         model = build_model(cfg, TPInfo(), cfg.max_position)
     elem = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() for p in model.parameters()) * elem
@@ -67,67 +71,100 @@ def draft_footprint(
 
 def make_draft_engine(target: Engine) -> Engine:
     c = target.config
-    draft_cfg = _draft_model_config(c)
+    path = c.ext(SpeculativeOptions).speculative_draft_model
+    assert path is not None
+    draft_cfg = _draft_model_config(path)
     vocab = target.model_config.vocab_size
     if draft_cfg.vocab_size != vocab:
         raise ValueError(
-            f"speculative_draft_model={c.speculative_draft_model!r} has a vocabulary of "
+            f"speculative_draft_model={path!r} has a vocabulary of "
             f"{draft_cfg.vocab_size} tokens, the target {vocab}: the draft model must share "
             "the target's tokenizer and vocabulary"
         )
-    config = replace(
-        c,
-        model=c.speculative_draft_model,
+    config = dataclasses.replace(
+        without_speculation(c),
+        model=path,
         tokenizer=None,
         load_format="dummy" if c.load_format == "dummy" else "auto",
-        speculative_algorithm=None,
-        speculative_draft_model=None,
         num_pages=target.pool.num_pages,
         context_length=target.context_length,
     )
     return Engine(config, target.tp, share=target)
 
 
-class DraftModelSpeculator(Speculator):
-    def __init__(self, engine: Engine, k: int, host_table: torch.Tensor) -> None:
-        super().__init__(engine, k)
+@dataclass
+class _DraftState:
+    admit_order: int  # the admission it belongs to: a readmitted request starts afresh
+    draft_len: int  # leading tokens whose draft-model K/V is in the draft pool
+
+
+class DraftModelSpeculator(SpeculatorBase):
+    def __init__(self, engine: Engine, kv: KVManager) -> None:
+        super().__init__(engine)
         self.draft = make_draft_engine(engine)
-        self.host_table = host_table  # the scheduler's host copy of the shared page table
+        self.host_table = kv.host_table  # the scheduler's host copy of the shared page table
         self.vocab = engine.model_config.vocab_size
+        self.states: dict[int, _DraftState] = {}  # by request uid
+
+    def _state(self, req: Req) -> _DraftState:
+        """At (re)admission the request's cached prefix has draft K/V too: only tokens with
+        both may enter the prefix cache (`cacheable`)."""
+        state = self.states.get(req.uid)
+        if state is None or state.admit_order != req.admit_order:
+            state = self.states[req.uid] = _DraftState(req.admit_order, req.kv_len)
+        return state
 
     def plan(self, req: Req) -> int:
         return self.budget(req)  # a draft model always proposes the full budget
 
-    def verified(self, req: Req, accepted: int) -> None:
+    def verified(self, row: Row, accepted: int) -> None:
         # Drafts 1..n-1 were fed to the draft model (draft n never is): the kept ones among
-        # them now have valid draft K/V.
-        req.draft_len = min(req.draft_len + min(accepted, req.num_draft - 1), req.kv_len)
+        # them now have valid draft K/V (never past what the target keeps of the row).
+        state = self._state(row.req)
+        kept = row.req.kv_len - row.drafts + accepted
+        state.draft_len = min(state.draft_len + min(accepted, row.drafts - 1), kept)
+
+    def cacheable(self, req: Req) -> int:
+        return min(req.kv_len, self._state(req).draft_len)
+
+    def release(self, req: Req) -> None:
+        self.states.pop(req.uid, None)
+
+    def check_integrity(self, live: list[Req]) -> None:
+        for r in live:
+            state = self.states.get(r.uid)
+            if r.row < 0 or state is None or state.admit_order != r.admit_order:
+                continue
+            assert r.tree_len <= state.draft_len <= r.kv_len, (
+                f"draft K/V of request {r.uid} out of step: tree {r.tree_len}, "
+                f"draft {state.draft_len}, target {r.kv_len}"
+            )
 
     @torch.inference_mode()
-    def propose(self, rows: list[BatchRow]) -> Proposal | None:
-        spec = [r.req for r in rows if r.spec]
+    def propose(self, rows: list[Row], verify: list[Row]) -> Proposal | None:
         # Longest drafts first: the rows still drafting at step j are then a prefix.
-        order = sorted(range(len(spec)), key=lambda i: -spec[i].num_draft)
+        order = sorted(range(len(verify)), key=lambda i: -verify[i].drafts)
         feed = [(r.req, r.req.kv_len + r.extend) for r in rows if _is_prefill(r)]
-        feed += [(spec[i], spec[i].num_known) for i in order]
+        feed += [(verify[i].req, verify[i].req.num_known) for i in order]
         if not feed:
             return None
-        first = self._extend(feed, len(feed) - len(spec))
-        if not spec:
+        first = self._extend(feed, len(feed) - len(verify))
+        if not verify:
             return None
-        return self._draft([spec[i] for i in order], first, order)
+        return self._draft([verify[i] for i in order], first, order)
 
     def _extend(self, feed: list[tuple[Req, int]], n_prefill: int) -> torch.Tensor:
         """Feed each request its tokens [draft_len, end); logits at the last token of the
         rows after the first ``n_prefill`` (the speculating ones)."""
-        starts = [q.draft_len for q, _ in feed]
+        states = [self._state(q) for q, _ in feed]
+        starts = [st.draft_len for st in states]
         lens = [end - s for (_, end), s in zip(feed, starts)]
         req_rows = [q.row for q, _ in feed]
         row_idx, positions = ranges(req_rows, starts, lens)
         ids: list[int] = []
-        for (q, end), s in zip(feed, starts):
+        for (q, end), s, st in zip(feed, starts, states):
             ids += q.token_slice(s, end)
-            q.draft_len = end
+            st.draft_len = end
         ends = torch.tensor(lens).cumsum(0) - 1
         layout = BatchLayout(req_rows, starts, lens, self.engine.page_table)
         # The engine's stager: one copy, 16-byte-aligned segments (no Triton re-specialising).
@@ -136,11 +173,12 @@ class DraftModelSpeculator(Speculator):
         )
         return self.draft.run_model(layout, ids_d, pos_d, slots_d, ends_d[n_prefill:], False)
 
-    def _draft(self, reqs: list[Req], logits: torch.Tensor, order: list[int]) -> Proposal:
+    def _draft(self, rows: list[Row], logits: torch.Tensor, order: list[int]) -> Proposal:
         """Sample draft 1 from the extend's logits, then K - 1 decode forwards; rows come
         back in the scheduler's order."""
+        reqs = [r.req for r in rows]
         s, k, dev = len(reqs), self.k, self.draft.device
-        active = [sum(q.num_draft > j for q in reqs) for j in range(k)]  # non-increasing
+        active = [sum(r.drafts > j for r in rows) for j in range(k)]  # non-increasing
         last = [q.num_known - 1 for q in reqs]  # position of each row's last known token
         # Every index of the K - 1 decode steps (positions, then slots) in one copy.
         pos = [
@@ -190,7 +228,7 @@ class _DraftSampler:
         temps_d = engine.to_device(torch.tensor(temps, dtype=torch.float32))
         self.greedy = temps_d == 0
         self.temps = torch.where(self.greedy, torch.ones_like(temps_d), temps_d)
-        ints = [_i64(q.seed) ^ _DRAFT_SALT for q in reqs] + [q.num_generated for q in reqs]
+        ints = [i64(q.seed) ^ _DRAFT_SALT for q in reqs] + [q.num_generated for q in reqs]
         self.seeds, self.steps = engine.to_device(ints).split(len(reqs))
         self.probs = torch.zeros(len(reqs), k, vocab, device=dev)
 
@@ -208,7 +246,7 @@ class _DraftSampler:
         return tok
 
 
-def _is_prefill(row: BatchRow) -> bool:
+def _is_prefill(row: Row) -> bool:
     """Rows whose tokens the draft model must see too: prompt chunks and the recomputation
     of a retracted request. Plain decodes of requests that never speculate are skipped."""
-    return not row.spec and (row.extend > 1 or row.req.num_generated == 0)
+    return not row.drafts and (row.extend > 1 or row.req.num_generated == 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from minisgl.engine.sampler import race, uniform_noise
+from minisgl.engine.sampler import i64, race, uniform_noise
 
 _ACCEPT_ID = -1  # hash id reserved for the acceptance coin, distinct from every vocab id
 
@@ -80,3 +80,33 @@ def verify_greedy(target_logits: Tensor, draft_tokens: Tensor) -> tuple[Tensor, 
     k = draft_tokens.shape[1]
     n_acc = torch.cumprod((draft_tokens == best[:, :k]).to(torch.int64), dim=1).sum(dim=1)
     return best, n_acc + 1
+
+
+def verify_drafts(
+    drafts: Tensor,
+    draft_probs: Tensor | None,
+    temperatures: list[float],
+    seeds: list[int],
+    steps: list[int],
+    device: torch.device,
+    logits: Tensor,
+) -> list[Tensor | None]:
+    """The target's logits at each verifying row's k + 1 positions ([S * (K + 1), V]) ->
+    [tokens [S, K + 1], counts [S]] (see ``verify``); ``temperatures`` 0 for greedy rows,
+    ``steps`` the output position of each row's first new token."""
+    rows = len(temperatures)
+    logits = logits.view(rows, -1, logits.shape[-1])
+    if not any(temperatures):
+        # Greedy rows need neither probabilities nor noise: what rejection sampling with
+        # one-hot targets would emit, at a fraction of the cost (this runs every step).
+        return list(verify_greedy(logits, drafts))
+    temps = torch.tensor(temperatures, dtype=torch.float32).to(device)
+    greedy = temps == 0
+    scale = torch.where(greedy, torch.ones_like(temps), temps)
+    probs = torch.softmax(logits.float() / scale[:, None, None], dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(probs.dtype)
+    probs = torch.where(greedy[:, None, None], one_hot, probs)
+    seed_t = torch.tensor([i64(x) for x in seeds], dtype=torch.long).to(device)
+    step_t = torch.tensor(steps, dtype=torch.long).to(device)
+    tokens, counts = verify(probs, drafts, draft_probs, seed_t, step_t)
+    return [tokens, counts]
