@@ -57,7 +57,7 @@ def _lag_device(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
 def _device_busy(llm: LLM) -> bool:
     """The batch in flight has not finished on the device yet."""
     batch = llm.scheduler.inflight
-    event = batch.output.event if batch is not None and batch.output is not None else None
+    event = batch.pending.event if batch is not None and batch.pending is not None else None
     return event is not None and not event.query()
 
 
