@@ -26,9 +26,31 @@ C = TypeVar("C")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")
 
 
-def option(default: Any, help: str, *aliases: str) -> Any:
-    """A configuration field: its default, its --help text and extra flag spellings."""
-    return field(default=default, metadata={"help": help, "aliases": aliases})
+def option(
+    default: Any, help: str, *aliases: str, choices: tuple[str, ...] = (), low: float | None = None
+) -> Any:
+    """A configuration field: its default, its --help text, extra flag spellings, and what a
+    valid value is (``choices``, or at least ``low``; None always means "auto")."""
+    meta = {"help": help, "aliases": aliases, "choices": choices, "low": low}
+    return field(default=default, metadata=meta)
+
+
+def check_fields(options: object) -> None:
+    """ValueError naming the first field of a dataclass of `option` fields outside its
+    ``choices`` or under its ``low``."""
+    for f in dataclasses.fields(options):  # type: ignore[arg-type]
+        value, choices, low = (
+            getattr(options, f.name),
+            f.metadata.get("choices"),
+            f.metadata.get("low"),
+        )
+        if value is None:
+            continue
+        if choices and value not in choices:
+            want = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+            raise ValueError(f"{f.name}={value!r} is invalid: {want}")
+        if low is not None and value < low:
+            raise ValueError(f"{f.name}={value!r} is invalid: >= {low:g}")
 
 
 @dataclass(frozen=True)
@@ -39,30 +61,41 @@ class EngineConfig:
         "--model-path",
     )
     tokenizer: str | None = option(None, "tokenizer to use instead of the model's")
-    load_format: str = option("auto", "auto | safetensors | gguf | dummy (random weights)")
-    dtype: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")
+    load_format: str = option(
+        "auto",
+        "auto | safetensors | gguf | dummy (random weights)",
+        choices=("auto", "safetensors", "gguf", "dummy"),
+    )
+    dtype: str = option(
+        "auto",
+        "auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     device: str = option("auto", "auto | cpu | cuda | cuda:N")
     seed: int = option(0, "engine seed (requests without a seed draw theirs from it)")
     context_length: int | None = option(
-        None, "cap on prompt + output tokens per request", "--max-model-len"
+        None, "cap on prompt + output tokens per request", "--max-model-len", low=2
     )
-    page_size: int = option(1, "tokens per KV page")
+    page_size: int = option(1, "tokens per KV page", low=1)
     # fp8 holds twice a bf16 pool's tokens in the same memory (scale 1.0, saturating stores).
     kv_cache_dtype: str = option(
         "auto",
         "KV cache element type: auto (the model's dtype) | fp8_e4m3 (alias fp8) | fp8_e5m2 "
         "(1 byte per element: about twice the tokens of a bf16 cache)",
+        choices=KV_CACHE_DTYPES,
     )
-    num_pages: int | None = option(None, "KV pool size in pages (default: from the memory budget)")
+    num_pages: int | None = option(
+        None, "KV pool size in pages (default: from the memory budget)", low=2
+    )
     mem_fraction_static: float = option(0.85, "GPU: share of device memory for weights + KV cache")
     cpu_kv_cache_gb: float = option(1.0, "CPU: KV pool budget in GiB")
     # None: 1024 on CUDA (a wave of admissions rarely waits for a slot: measured on the H200
     # shared-prefix benchmark, benchmark/RESULTS.md), 256 on CPU.
-    max_running_requests: int | None = option(None, "most requests decoded at once")
+    max_running_requests: int | None = option(None, "most requests decoded at once", low=1)
     # None: 8192 on CUDA; 256 on CPU, where a big prefill step stalls every running stream
     # for its whole length (p99 ITL about halved at equal throughput, RESULTS.md).
     chunked_prefill_size: int | None = option(
-        None, "token budget per scheduler step (default 8192 on CUDA, 256 on CPU)"
+        None, "token budget per scheduler step (default 8192 on CUDA, 256 on CPU)", low=1
     )
     # Prefill goes first: running decodes wait while any prompt has tokens left to prefill
     # (tests/unit/scheduler/test_policies.py).
@@ -71,12 +104,15 @@ class EngineConfig:
         "never mix prefill chunks with decodes in one batch (prefill goes first: decodes wait "
         "while a prompt is prefilled)",
     )
-    cache: str = option("radix", "prefix cache: radix | naive", "--cache-type")
+    cache: str = option(
+        "radix", "prefix cache: radix | naive", "--cache-type", choices=("radix", "naive")
+    )
     schedule_policy: str = option(
         "fcfs",
         "fcfs | lpm (longest prefix match first) | priority (each request's priority field, "
         "lower values first; ties by arrival)",
         "--scheduling-policy",
+        choices=("fcfs", "lpm", "priority"),
     )
     attention_backend: str = option("auto", "auto | torch | triton | flashinfer", "--attn")
     cuda_graph_max_bs: int | None = option(
@@ -86,6 +122,7 @@ class EngineConfig:
         None,
         "prefill/mixed steps up to this many tokens replay CUDA graphs (default 2048; 0 runs "
         "them eagerly)",
+        low=0,
     )
     disable_overlap_scheduling: bool = option(
         False, "run CPU scheduling and device compute one after the other"
@@ -95,7 +132,7 @@ class EngineConfig:
         "run q/k norm, RoPE and the KV-cache store as separate kernels (CUDA; outputs are "
         "identical either way)",
     )
-    tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size")
+    tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size", low=1)
     disable_custom_all_reduce: bool = option(
         False,
         "CUDA TP: all-reduce everything through NCCL (default: small tensors through GPU peer "
@@ -103,7 +140,7 @@ class EngineConfig:
     )
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP.
-    nnodes: int = option(1, "nodes of a multi-node TP run")
+    nnodes: int = option(1, "nodes of a multi-node TP run", low=1)
     node_rank: int = option(0, "this node's index in a multi-node TP run")
     dist_init_addr: str | None = option(
         None, "rank 0's host:port for the rendezvous (default on one node: a free local port)"
@@ -116,9 +153,20 @@ class EngineConfig:
     extensions: tuple[object, ...] = field(default=(), metadata={"internal": True})
 
     def __post_init__(self) -> None:
+        # One instance of every registered group, in registration order: equal options give
+        # equal configurations (TP ranks compare theirs), given or defaulted.
+        given = {type(e): e for e in self.extensions}
+        groups = [g.options for g in option_groups() if not g.server]
+        exts = tuple(given.pop(kind, None) or kind() for kind in groups)
+        if given:
+            raise ValueError(f"extensions holds unregistered options: {sorted(map(str, given))}")
+        object.__setattr__(self, "extensions", exts)
+        check_fields(self)
         for name, ok, want in _CHECKS:
             if not ok(self):
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {want(self)}")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is invalid: {want.format(c=self)}"
+                )
 
     def ext(self, kind: type[C]) -> C:
         """The options of one extension's group (its defaults if it was not given)."""
@@ -139,23 +187,12 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}{_loaded_note()}")
         exts: tuple[object, ...] = tuple(_build(g.options, kwargs) for g in groups)
+        for ext in exts:
+            check_fields(ext)
         config = cls(**_pick(cls, kwargs), extensions=exts)
         for g in groups:
             g.check(config)
         return config
-
-
-def _in(*values: object) -> Callable[[Any], str]:
-    return lambda c: ", ".join(map(str, values))
-
-
-def _want(text: str) -> Callable[[Any], str]:
-    return lambda c: text.format(c=c)
-
-
-def _at_least(value: float | None, low: float) -> bool:
-    """None (auto) or at least ``low``."""
-    return value is None or value >= low
 
 
 def _host_port_ok(addr: str) -> bool:
@@ -163,54 +200,27 @@ def _host_port_ok(addr: str) -> bool:
     return bool(sep and host.strip("[]") and port.isdigit() and 1 <= int(port) <= 65535)
 
 
-# (field, test, what a valid value is): EngineConfig's checks, in the order they apply.
-_CHECKS: list[tuple[str, Callable[[EngineConfig], bool], Callable[[EngineConfig], str]]] = [
-    ("page_size", lambda c: c.page_size >= 1, _want("must be >= 1")),
-    ("num_pages", lambda c: _at_least(c.num_pages, 2), _want(">= 2")),
-    ("max_running_requests", lambda c: _at_least(c.max_running_requests, 1), _want(">= 1")),
-    ("cuda_graph_max_tokens", lambda c: _at_least(c.cuda_graph_max_tokens, 0), _want(">= 0")),
-    ("chunked_prefill_size", lambda c: _at_least(c.chunked_prefill_size, 1), _want(">= 1")),
-    ("cache", lambda c: c.cache in ("radix", "naive"), _want("radix or naive")),
-    (
-        "schedule_policy",
-        lambda c: c.schedule_policy in ("fcfs", "lpm", "priority"),
-        _want("fcfs, lpm or priority"),
-    ),
-    (
-        "load_format",
-        lambda c: c.load_format in ("auto", "safetensors", "gguf", "dummy"),
-        _want("auto, safetensors, gguf or dummy"),
-    ),
-    (
-        "dtype",
-        lambda c: c.dtype in ("auto", "float32", "bfloat16", "float16"),
-        _want("auto, float32, bfloat16 or float16"),
-    ),
-    ("kv_cache_dtype", lambda c: c.kv_cache_dtype in KV_CACHE_DTYPES, _in(*KV_CACHE_DTYPES)),
+# (field, test, what a valid value is): the checks that relate fields, after check_fields.
+_CHECKS: list[tuple[str, Callable[[EngineConfig], bool], str]] = [
     (
         "kv_cache_dtype",
         lambda c: c.kv_cache_dtype == "auto" or c.attention_backend != "flashinfer",
-        _want(
-            "the flashinfer attention backend supports only auto: use attention_backend "
-            "triton or torch with an fp8 KV cache"
-        ),
+        "the flashinfer attention backend supports only auto: use attention_backend triton "
+        "or torch with an fp8 KV cache",
     ),
-    ("tp_size", lambda c: c.tp_size >= 1, _want(">= 1")),
-    ("nnodes", lambda c: c.nnodes >= 1, _want(">= 1")),
-    ("nnodes", lambda c: c.tp_size % c.nnodes == 0, _want("must divide tp_size={c.tp_size}")),
-    ("node_rank", lambda c: 0 <= c.node_rank < c.nnodes, _want("in [0, nnodes={c.nnodes})")),
+    ("nnodes", lambda c: c.tp_size % c.nnodes == 0, "must divide tp_size={c.tp_size}"),
+    ("node_rank", lambda c: 0 <= c.node_rank < c.nnodes, "in [0, nnodes={c.nnodes})"),
     (
         "dist_init_addr",
         lambda c: c.dist_init_addr is None or _host_port_ok(c.dist_init_addr),
-        _want("host:port with a port in 1..65535"),
+        "host:port with a port in 1..65535",
     ),
     (
         "dist_init_addr",
         lambda c: c.nnodes == 1 or c.dist_init_addr is not None,
-        _want("required (rank 0's host:port) when nnodes > 1"),
+        "required (rank 0's host:port) when nnodes > 1",
     ),
-    ("mem_fraction_static", lambda c: 0.0 < c.mem_fraction_static < 1.0, _want("in (0, 1)")),
-    ("context_length", lambda c: _at_least(c.context_length, 2), _want(">= 2")),
+    ("mem_fraction_static", lambda c: 0.0 < c.mem_fraction_static < 1.0, "in (0, 1)"),
 ]
 
 

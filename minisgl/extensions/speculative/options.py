@@ -13,9 +13,11 @@ class SpeculativeOptions:
     # "ngram" drafts from the request's own tokens (prompt lookup); "draft" runs a small
     # draft model with the same vocabulary (implied by a draft model).
     speculative_algorithm: str | None = option(
-        None, "ngram | draft (default: draft when a draft model is given)"
+        None,
+        "ngram | draft (default: draft when a draft model is given)",
+        choices=("ngram", "draft"),
     )
-    speculative_num_steps: int = option(4, "draft tokens proposed per request per step")
+    speculative_num_steps: int = option(4, "draft tokens proposed per request per step", low=1)
     speculative_draft_model: str | None = option(
         None, "draft model (same vocabulary) for --speculative-algorithm draft"
     )
@@ -30,11 +32,6 @@ def check(config: EngineConfig) -> None:
     draft_iff = (o.speculative_algorithm == "draft") == (o.speculative_draft_model is not None)
     rules = [
         (
-            "speculative_algorithm",
-            o.speculative_algorithm in (None, "ngram", "draft"),
-            "None, ngram or draft",
-        ),
-        (
             "speculative_draft_model",
             draft_iff,
             "required with speculative_algorithm=draft, and only then",
@@ -44,7 +41,7 @@ def check(config: EngineConfig) -> None:
             o.speculative_draft_model is None or config.tp_size == 1,
             "not supported with tp_size > 1 yet",
         ),
-        ("speculative_num_steps", 1 <= o.speculative_num_steps <= 16, "in [1, 16]"),
+        ("speculative_num_steps", o.speculative_num_steps <= 16, "in [1, 16]"),
     ]
     for name, ok, want in rules:
         if not ok:
