@@ -25,7 +25,7 @@ from minisgl.engine.setup import (
 )
 from minisgl.engine.step import PendingStep, SampleRequest, StepInput
 from minisgl.extension_loader import load_extensions
-from minisgl.kernels.staging import DeviceStager
+from minisgl.kernels.staging import DeviceStager, Segment
 from minisgl.kvcache.kv_dtype import kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
@@ -109,11 +109,8 @@ class Engine:
         per_page = KVPool.bytes_per_page(
             cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.kv_dtype
         )
-        kind = str(self.kv_dtype).removeprefix("torch.")
-        logger.info(
-            "KV pool: %d pages of %d tokens (%.2f GiB, %s)",
-            pages, c.page_size, pages * per_page / 2**30, kind,
-        )  # fmt: skip
+        gib, kind = pages * per_page / 2**30, str(self.kv_dtype).removeprefix("torch.")
+        logger.info("KV pool: %d pages of %d tokens (%.2f GiB, %s)", pages, c.page_size, gib, kind)
         pool = KVPool(
             cfg.num_layers,
             pages + 1,
@@ -195,10 +192,8 @@ class Engine:
             total = torch.cuda.get_device_properties(self.device).total_memory
             max_bs = 256 if total > 80 * 2**30 else 160
         max_tokens = 2048 if c.cuda_graph_max_tokens is None else c.cuda_graph_max_tokens
-        target = GraphTarget(
-            self.model, self.attn_backend, self.page_table, self.scratch_slot,
-            self.context_length, self.device, self.tp.size,
-        )  # fmt: skip
+        parts = (self.model, self.attn_backend, self.page_table, self.scratch_slot)
+        target = GraphTarget(*parts, self.context_length, self.device, self.tp.size)
         return CudaGraphRunner(target, min(max_bs, self.max_running_requests), max_tokens)
 
     # ---------------------------------------------------------------- step
@@ -227,14 +222,12 @@ class Engine:
         logits_index = np.concatenate([ends[sample_rows], *hook_index])
         prev_pos, prev_rows = zip(*step.from_previous) if step.from_previous else ((), ())
         # Every index this step needs travels in one pinned buffer and one copy.
+        rows_and_steps = (sample.table_rows, sample.steps) if sample else ((), ())
+        fills = (fill.positions, fill.sources) if fill else ((), ())
+        segments: list[Segment] = [step.input_ids, step.positions, step.out_slots, logits_index]
         staged = self.stager.stage(
-            [
-                step.input_ids, step.positions, step.out_slots, logits_index, prev_pos, prev_rows,
-                sample.table_rows if sample else (), sample.steps if sample else (),
-                fill.positions if fill else (), fill.sources if fill else (),
-            ],
-            torch.long,
-        )  # fmt: skip
+            [*segments, prev_pos, prev_rows, *rows_and_steps, *fills], torch.long
+        )
         ids, pos, slots, logits_idx, prev_pos_d, prev_rows_d, table_rows, steps = staged[:8]
         if step.from_previous:
             ids[prev_pos_d] = self.last_tokens[prev_rows_d]

@@ -48,16 +48,26 @@ class Scheduler:
         self.context_length = engine.context_length
         self.page_size = cfg.page_size
         self.kv = KVManager(
-            engine.page_table, engine.pool.num_pages, cfg.page_size,
-            engine.max_running_requests, cfg.cache, engine.stager,
-        )  # fmt: skip
+            engine.page_table,
+            engine.pool.num_pages,
+            cfg.page_size,
+            engine.max_running_requests,
+            cfg.cache,
+            engine.stager,
+        )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.policy = Policy(cfg.schedule_policy)
         self.admission = Admission(
-            self.kv, self.policy, self.waiting, self.running, cfg, self.context_length,
-            engine.chunked_prefill_size, self._restore_penalties,
-        )  # fmt: skip
+            self.kv,
+            self.policy,
+            self.waiting,
+            self.running,
+            cfg,
+            self.context_length,
+            engine.chunked_prefill_size,
+            self._restore_penalties,
+        )
         self.preemption = Preemption(
             self.kv, self.policy, self.waiting, self.running, self.admission
         )

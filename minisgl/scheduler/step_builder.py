@@ -67,9 +67,15 @@ class StepBuilder:
         constrained = any(q.constraint is not None for q in sampled)
         sample = self._sample_request(sample_idx, sampled, constrained) if sampled else None
         step = StepInput(
-            layout, input_ids, positions, out_slots, from_previous,
-            drafts.fill if drafts is not None else None, sample, tuple(hooks),
-        )  # fmt: skip
+            layout,
+            input_ids,
+            positions,
+            out_slots,
+            from_previous,
+            drafts.fill if drafts is not None else None,
+            sample,
+            tuple(hooks),
+        )
         verify = [r for r in rows if r.drafts]
         lp = prompt_lp if lp_hook is not None else None
         return step, Launched(rows, sampled, None, lp, verify, constrained)

@@ -86,9 +86,11 @@ def _setup(args: RankArgs) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(
-        target=_exit_with_parent, args=(args.parent_pid, args.rank), daemon=True,
+        target=_exit_with_parent,
+        args=(args.parent_pid, args.rank),
+        daemon=True,
         name="minisgl-parent-watch",
-    ).start()  # fmt: skip
+    ).start()
 
 
 def _exit_with_parent(parent_pid: int, rank: int) -> None:
