@@ -112,10 +112,13 @@ class ServerHandle:
 
 
 def start_server(
-    args: list[str], ready_timeout: float = 300, switches: dict[Switch[Any], object] | None = None
+    args: list[str],
+    ready_timeout: float = 300,
+    switches: dict[Switch[Any], object] | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> ServerHandle:
     """``python -m minisgl`` with ``args`` on a free port, its environment switches set to
-    ``switches``; returns once it answers /health."""
+    ``switches`` (and ``extra_env`` on top); returns once it answers /health."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="minisgl-e2e-", suffix=".log")[1])
     cmd = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
@@ -125,7 +128,7 @@ def start_server(
             stdout=fh,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env=env.child_environ(switches or {}),
+            env={**env.child_environ(switches or {}), **(extra_env or {})},
         )
     handle = ServerHandle(proc, port, log, time.perf_counter())
     deadline = time.monotonic() + ready_timeout
