@@ -196,14 +196,6 @@ _CHECKS: list[tuple[str, Callable[[EngineConfig], bool], Callable[[EngineConfig]
         _want("auto, float32, bfloat16 or float16"),
     ),
     ("kv_cache_dtype", lambda c: c.kv_cache_dtype in KV_CACHE_DTYPES, _in(*KV_CACHE_DTYPES)),
-    (
-        "kv_cache_dtype",
-        lambda c: c.kv_cache_dtype == "auto" or c.attention_backend != "flashinfer",
-        _want(
-            "the flashinfer attention backend supports only auto: use attention_backend "
-            "triton or torch with an fp8 KV cache"
-        ),
-    ),
     ("tp_size", lambda c: c.tp_size >= 1, _want(">= 1")),
     (
         "speculative_algorithm",

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from minisgl.attention.base import AttentionBackend, BatchLayout, ForwardBatch
+from minisgl.attention.registry import make_backend
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner
@@ -225,25 +226,11 @@ class Engine:
         return pool
 
     def _make_backend(self) -> AttentionBackend:
+        # Fused only on CUDA: there the unfused layers run the same Triton kernels, so the
+        # switch never changes outputs (on CPU they fall back to torch).
+        fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
         name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        if name == "torch":
-            from minisgl.attention.torch_backend import TorchBackend
-
-            return TorchBackend(self.pool)
-        if name == "triton":
-            from minisgl.attention.triton_backend import TritonBackend
-
-            # Fused only on CUDA: there the unfused layers run the same Triton kernels, so the
-            # switch never changes outputs (on CPU they fall back to torch).
-            fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
-            return TritonBackend(self.pool, stager=self.stager, fused_kv_store=fused)
-        if name == "flashinfer":
-            from minisgl.attention.flashinfer_backend import FlashInferBackend
-
-            return FlashInferBackend(self.pool, self.device)
-        raise ValueError(f"attention_backend={name!r} is not available")
+        return make_backend(name, self.pool, self.device, self.stager, fused)
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
