@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minisgl.layers.quantized import QuantConfig, parse_quant_config
+from minisgl.layers.quantization import QuantMethod, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -60,8 +60,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
-    # 4-bit GPTQ/AWQ linear layers (layers/quantized.py); None: float checkpoint.
-    quant: QuantConfig | None = None
+    # The checkpoint's quantization method (layers/quantization.py); None: float weights.
+    quant: QuantMethod | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -97,7 +97,7 @@ class ModelConfig:
         num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
         if quant is not None and num_experts:
             raise ValueError(
-                f"quantization_config.quant_method={quant.method!r} is not supported for "
+                f"quantization_config.quant_method={quant.name!r} is not supported for "
                 "mixture-of-experts models"
             )
         return cls(
