@@ -96,11 +96,6 @@ class EngineConfig:
         "identical either way)",
     )
     tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size")
-    disable_custom_all_reduce: bool = option(
-        False,
-        "CUDA TP: all-reduce everything through NCCL (default: small tensors through GPU peer "
-        "memory, which sums the same)",
-    )
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP.
     nnodes: int = option(1, "nodes of a multi-node TP run")

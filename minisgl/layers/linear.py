@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
+from minisgl.distributed.reducer import active_reducer
 from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import linear
 from minisgl.layers.quantization import QuantMethod
@@ -182,23 +183,10 @@ class RowParallelLinear(ShardedLinear):
         return y
 
     def _pushed_partial(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The batch-1 partial sum, by a GEMV that also pushes it to the peers for the fused
-        all-reduce + norm that follows (distributed/peer_all_reduce.py); None where that
-        path does not apply."""
+        """The batch-1 partial sum, computed by the TP reducer, which also sends it to the
+        peers for the fused all-reduce + norm that follows (distributed/reducer.py); None
+        where it does not (then the plain product runs)."""
         if self.quant is not None or self.gemv_tiles is None or self.bias is not None:
             return None
-        if self.tp.size == 1 or not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
-            return None
-        from minisgl.distributed import peer_all_reduce
-
-        peer = peer_all_reduce.active()
-        if peer is None:
-            return None
-        lamport = peer.lamport_push(x.shape[0], self.weight.shape[0], x.dtype)
-        if lamport is None:
-            return None
-        from minisgl.kernels.gemv import gemv
-
-        y = gemv(x, self.weight, None, self.gemv_tiles, lamport=lamport)
-        peer.mark_pushed(y)
-        return y
+        reducer = active_reducer() if self.tp.size > 1 else None
+        return None if reducer is None else reducer.pushed_gemv(x, self.weight, self.gemv_tiles)
