@@ -24,7 +24,7 @@ from benchmark.offline.bench import workload  # noqa: E402
 def main() -> None:
     import triton.testing
 
-    from minisgl.attention.triton_backend import (
+    from minisgl.attention.triton_plan import (
         decode_split_cap,
         decode_tiles,
         plan_decode_splits,

@@ -70,7 +70,7 @@ class _LaggingDevice:
 def _lagging_stager(
     monkeypatch: pytest.MonkeyPatch, ring: int
 ) -> tuple[DeviceStager, _LaggingDevice]:
-    from minisgl.engine import staging
+    from minisgl.kernels import staging
 
     dev = _LaggingDevice()
     original_to = torch.Tensor.to
