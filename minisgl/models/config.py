@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from minisgl.layers.quantization import QuantMethod, parse_quant_config
 
@@ -21,12 +21,16 @@ SUPPORTED_ARCHITECTURES = (
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    # "default", "linear", "llama3" or "yarn"; the remaining keys of HF's rope_scaling dict.
+    # "default", "linear", "llama3" or "yarn"; the numeric keys of HF's rope_scaling dict.
     scaling_type: str = "default"
-    scaling: tuple[tuple[str, Any], ...] = ()
+    scaling: tuple[tuple[str, float], ...] = ()
     max_position: int = 2048
 
-    def get(self, key: str, default: Any = None) -> Any:
+    @overload
+    def get(self, key: str) -> float | None: ...
+    @overload
+    def get(self, key: str, default: float) -> float: ...
+    def get(self, key: str, default: float | None = None) -> float | None:
         return dict(self.scaling).get(key, default)
 
 
@@ -150,7 +154,12 @@ def _rope_config(d: dict[str, Any], max_pos: int) -> RopeConfig:
     kind = str(scaling.get("rope_type") or scaling.get("type") or "default")
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"unsupported rope scaling type {kind!r}")
+    skip = ("rope_type", "type", "rope_theta")
     extra = tuple(
-        sorted((k, v) for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta"))
+        sorted(
+            (k, float(v))
+            for k, v in scaling.items()
+            if k not in skip and isinstance(v, (int, float))
+        )
     )
     return RopeConfig(theta=theta, scaling_type=kind, scaling=extra, max_position=max_pos)
