@@ -29,7 +29,7 @@ def main() -> None:
         decode_tiles,
         plan_decode_splits,
     )
-    from minisgl.kernels.attention import decode_attention
+    from minisgl.kernels.decode_attention import decode_attention
 
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
     hq, hk, d = 16, 8, 128

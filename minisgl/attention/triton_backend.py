@@ -20,7 +20,8 @@ from minisgl.attention.triton_plan import (
     plan_decode_splits,
 )
 from minisgl.kernels import cdiv
-from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.attention import extend_attention
+from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.staging import DeviceStager
 from minisgl.kernels.store import store_kv
 from minisgl.kvcache.pool import KVPool
