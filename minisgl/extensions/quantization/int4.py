@@ -65,18 +65,19 @@ class Int4Method:
         return int4_forward(layer, x, bias)
 
 
-def _int(value: object, default: int) -> int:
-    return int(value) if isinstance(value, (int, float, str)) and value != "" else default
+def _int(value: object) -> int:
+    """A number of the config (JSON: int, float or str); 0 for anything else."""
+    return int(value) if isinstance(value, (int, float, str)) else 0
 
 
 def parse_int4(d: Mapping[str, object]) -> Int4Method:
     """The method of a GPTQ or AWQ ``quantization_config``. Raises ValueError naming the
     field of any setting this engine does not run."""
     method = str(d.get("quant_method", "")).lower()
-    bits = _int(d.get("bits", d.get("w_bit")) or 0, 0)
+    bits = _int(d.get("bits", d.get("w_bit")) or 0)
     if bits != 4:
         raise ValueError(f"quantization_config.bits={bits} is not supported (4-bit only)")
-    group = _int(d.get("group_size", d.get("q_group_size")) or -1, -1)
+    group = _int(d.get("group_size", d.get("q_group_size")) or -1)
     if group != -1 and (group <= 0 or group % 8):
         raise ValueError(f"quantization_config.group_size={group} is not supported")
     if method == "awq":
@@ -241,7 +242,10 @@ def use_int4_gemv(rows: int, enabled: bool | None = None) -> bool:
 
 def int4_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T (+ bias) on the buffers `finish_int4` left (qweight [K/8, N], zeros [K/G, N])."""
-    qweight, scales, zeros = (layer.get_buffer(n) for n in ("qweight", "scales", "qzeros"))
+    # The module's own dict (nn.Module attribute lookup and get_buffer cost microseconds a
+    # call, per layer of every eager step).
+    qweight, scales, zeros = (layer._buffers[n] for n in ("qweight", "scales", "qzeros"))
+    assert qweight is not None and scales is not None and zeros is not None
     group = qweight.shape[0] * 8 // zeros.shape[0]
     if use_int4_gemv(x.shape[0]):
         from minisgl.extensions.quantization.kernels import int4_gemv
