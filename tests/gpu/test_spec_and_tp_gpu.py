@@ -121,8 +121,9 @@ def test_tp2_peer_all_reduce_matches_nccl_bf16(
     from minisgl import env as switches
     from minisgl.extensions.peer_memory import FUSED_ALL_REDUCE_NORM, GEMV_PUSH
 
-    on = {FUSED_ALL_REDUCE_NORM: fused_norm == "1", GEMV_PUSH: gemv_push == "1"}
-    env = switches.child_environ(on)
+    env = switches.child_environ(
+        {FUSED_ALL_REDUCE_NORM: fused_norm == "1", GEMV_PUSH: gemv_push == "1"}
+    )
     env["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     proc = subprocess.run(
         [sys.executable, "-c", _PEER_RUN, str(models["target"])],
