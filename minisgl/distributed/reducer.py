@@ -82,6 +82,12 @@ def setup_reducer(config: EngineConfig, device: torch.device) -> None:
     global _active
     _active = None
     load_extensions()
+    fewest, most = _min_max(len(_factories), device)
+    if fewest != most:  # the ranks would pair one rank's setup collectives with others
+        raise RuntimeError(
+            f"the TP ranks registered {fewest} to {most} all-reduce providers: install the "
+            "same minisgl extensions on every node"
+        )
     for factory in _factories:
         reducer = factory(config, device)
         if all_ranks_agree(reducer is not None, device):
@@ -98,9 +104,15 @@ def reset_reducer() -> None:
 
 def all_ranks_agree(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` holds on every rank (collective)."""
+    return _min_max(int(flag), device)[0] == 1
+
+
+def _min_max(value: int, device: torch.device) -> tuple[int, int]:
+    """The least and the greatest of every rank's ``value`` (collective)."""
     import torch
     import torch.distributed as dist
 
-    t = torch.tensor([1 if flag else 0], device=device)
+    t = torch.tensor([value, -value], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item()) == 1
+    low, neg_high = t.tolist()
+    return int(low), -int(neg_high)

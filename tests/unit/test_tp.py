@@ -421,6 +421,12 @@ def _peer_setup_follower(config: EngineConfig, out: Any) -> None:
         seen.append(_marker_sum(1))
     setup_reducer(config, torch.device("cpu"))
     seen += [active_reducer() is not None, _marker_sum(1)]
+    register_reducer(_rank0_only_reducer)  # one provider more than rank 0 has
+    try:
+        setup_reducer(config, torch.device("cpu"))
+    except RuntimeError as e:
+        seen.append("same minisgl extensions" in str(e))
+    seen.append(_marker_sum(1))
     out.put(seen)
     destroy_tp_group()
 
@@ -459,7 +465,8 @@ def test_reducer_setup_is_agreed_by_every_rank() -> None:
     another kernel would wait for ever). The peer-memory one: rank 0 having used it before
     in its process (rank 1 is fresh), then a buffer that cannot be made (CPU); then a
     reducer that one rank gets and the other not: every time every rank keeps the process
-    group's all-reduce, and nobody hangs."""
+    group's all-reduce, and nobody hangs. Ranks with different providers registered fail
+    with a clear error instead of pairing each other's setup collectives."""
     import torch
 
     from minisgl.distributed import reducer
@@ -477,7 +484,10 @@ def test_reducer_setup_is_agreed_by_every_rank() -> None:
             reducer.setup_reducer(cfg, torch.device("cpu"))
             assert reducer.active_reducer() is None
             assert _marker_sum(0) == 24
-            assert out.get(timeout=120) == [False, 24, False, 24, False, 24]
+            with pytest.raises(RuntimeError, match="same minisgl extensions"):
+                reducer.setup_reducer(cfg, torch.device("cpu"))  # rank 1 has one more
+            assert _marker_sum(0) == 24
+            assert out.get(timeout=120) == [False, 24, False, 24, False, 24, True, 24]
             proc.join(30)
             assert proc.exitcode == 0
     finally:
