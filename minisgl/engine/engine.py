@@ -164,7 +164,7 @@ class Engine:
 
     def _make_pool(self) -> KVPool:
         cfg, c = self.model_config, self.config
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # type: ignore[index,union-attr]
+        kv_heads = self.model.local_kv_heads
         per_page = KVPool.bytes_per_page(
             cfg.num_layers, c.page_size, kv_heads, cfg.head_dim, self.kv_dtype
         )
