@@ -133,11 +133,6 @@ class EngineConfig:
         "identical either way)",
     )
     tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size", low=1)
-    disable_custom_all_reduce: bool = option(
-        False,
-        "CUDA TP: all-reduce everything through NCCL (default: small tensors through GPU peer "
-        "memory, which sums the same)",
-    )
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP.
     nnodes: int = option(1, "nodes of a multi-node TP run", low=1)
@@ -202,12 +197,6 @@ def _host_port_ok(addr: str) -> bool:
 
 # (field, test, what a valid value is): the checks that relate fields, after check_fields.
 _CHECKS: list[tuple[str, Callable[[EngineConfig], bool], str]] = [
-    (
-        "kv_cache_dtype",
-        lambda c: c.kv_cache_dtype == "auto" or c.attention_backend != "flashinfer",
-        "the flashinfer attention backend supports only auto: use attention_backend triton "
-        "or torch with an fp8 KV cache",
-    ),
     ("nnodes", lambda c: c.tp_size % c.nnodes == 0, "must divide tp_size={c.tp_size}"),
     ("node_rank", lambda c: 0 <= c.node_rank < c.nnodes, "in [0, nnodes={c.nnodes})"),
     (

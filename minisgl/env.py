@@ -149,8 +149,3 @@ TRITON_INTERPRET = text("TRITON_INTERPRET", "Triton's CPU interpreter (tests)", 
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")
 FUSED_GATE_UP = flag("FUSED_GATE_UP", False, "CUDA batch 1: SiLU-and-mul inside the gate/up GEMV")
-INT4_GEMV = flag("INT4_GEMV", True, "CUDA: 1-4-row int4 products on the int4 GEMV")
-FUSED_ALL_REDUCE_NORM = flag(
-    "FUSED_ALL_REDUCE_NORM", True, "CUDA TP: all-reduce, residual add and RMSNorm in one kernel"
-)
-GEMV_PUSH = flag("GEMV_PUSH", True, "CUDA TP batch 1: the o/down GEMV pushes its rows to peers")

@@ -1,7 +1,7 @@
 """Write GPTQ- and AWQ-format 4-bit checkpoints of a float tiny model, for the tests.
 
 A packer of our own, following the published formats (AutoGPTQ's v1 export and AutoAWQ's
-GEMM export), written independently of minisgl/layers/quantized.py so that the loader is
+GEMM export), written independently of minisgl/extensions/quantization/int4.py so that the loader is
 checked against the format, not against itself. Each call also writes the reference: the
 same model with every quantized weight replaced by its dequantized value, as a plain float
 checkpoint that Hugging Face transformers (and our engine) load as usual.

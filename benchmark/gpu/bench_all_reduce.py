@@ -1,6 +1,6 @@
 """All-reduce latency on two GPUs, inside CUDA graphs (as decode runs it): NCCL vs the
-peer-memory one-shot kernel (minisgl/distributed/peer_all_reduce.py), per message size,
-and whether the two sums are bit-identical.
+peer-memory one-shot kernel (minisgl/extensions/peer_memory/peer_all_reduce.py), per
+message size, and whether the two sums are bit-identical.
 
     python benchmark/gpu/bench_all_reduce.py [--sizes 4096 65536 1048576]
 
@@ -51,13 +51,15 @@ def graph_us(fn: object, x: torch.Tensor) -> float:
 
 
 def worker(rank: int, init_file: str, sizes: list[int], out: str) -> None:
-    from minisgl.distributed import peer_all_reduce
+    from minisgl.distributed.reducer import all_ranks_agree
+    from minisgl.extensions.peer_memory.peer_all_reduce import open_reducer
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
     dev = torch.device("cuda", rank)
-    peer_all_reduce.setup(dev, (torch.bfloat16,))
-    peer = peer_all_reduce.active()
+    peer = open_reducer(dev, (torch.bfloat16,))
+    if not all_ranks_agree(peer is not None, dev):  # as setup_reducer does
+        peer = None
     rows = []
     for n in sizes:
         gen = torch.Generator(device=dev).manual_seed(1000 * rank + n)

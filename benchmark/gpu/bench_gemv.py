@@ -110,8 +110,8 @@ def int4_copies(n: int, k: int, cold: bool) -> list[tuple[torch.Tensor, ...]]:
 
 
 def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: bool) -> None:
-    from minisgl.kernels.int4_gemm import int4_gemm
-    from minisgl.kernels.int4_gemv import int4_gemv, int4_gemv_tiles
+    from minisgl.extensions.quantization.kernels.int4_gemm import int4_gemm
+    from minisgl.extensions.quantization.kernels.int4_gemv import int4_gemv, int4_gemv_tiles
 
     bf = torch.bfloat16
     for name, (n, k) in shapes.items():

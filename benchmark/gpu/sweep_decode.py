@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 def main() -> None:
     import triton.testing
 
-    from minisgl.attention.triton_backend import decode_split_cap, plan_decode_splits
-    from minisgl.kernels.attention import decode_attention
+    from minisgl.attention.triton_plan import decode_split_cap, plan_decode_splits
+    from minisgl.kernels.decode_attention import decode_attention
 
     hq, hk, d = 16, 8, 128
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -24,12 +24,12 @@ from benchmark.offline.bench import workload  # noqa: E402
 def main() -> None:
     import triton.testing
 
-    from minisgl.attention.triton_backend import (
+    from minisgl.attention.triton_plan import (
         decode_split_cap,
         decode_tiles,
         plan_decode_splits,
     )
-    from minisgl.kernels.attention import decode_attention
+    from minisgl.kernels.decode_attention import decode_attention
 
     out_path = sys.argv[1] if len(sys.argv) > 1 else None
     hq, hk, d = 16, 8, 128

@@ -37,7 +37,7 @@ def set_tuning(gemv_table: str | None, int4_tiles: str | None) -> None:
 
         gemv.load_table(gemv_table)
     if int4_tiles:
-        from minisgl.kernels import int4_gemv
+        from minisgl.extensions.quantization.kernels import int4_gemv
 
         bn, bk, warps, stages = (int(v) for v in int4_tiles.split(","))
         int4_gemv.TILES_OVERRIDE = (bn, bk, warps, stages)

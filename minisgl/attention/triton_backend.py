@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from minisgl.attention.base import AttentionBackend, BatchLayout, padded_batch_size
+from minisgl.attention.triton_plan import (
+    MIXED_DECODE_SPLITS,
+    MIXED_SPLIT_TOKENS,
+    ExtendGraphShape,
+    aligned_splits,
+    decode_split_cap,
+    decode_tiles,
+    extend_tiles,
+    plan_decode_splits,
+)
 from minisgl.kernels import cdiv
-from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.attention import extend_attention
+from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.staging import DeviceStager
 from minisgl.kernels.store import store_kv
 from minisgl.kvcache.pool import KVPool
@@ -42,89 +55,62 @@ class TritonMetadata:
     packed: torch.Tensor  # the one device buffer every index tensor above is a view of
 
 
-@dataclass(frozen=True)
-class ExtendGraphShape:
-    """Launch shape of extend attention inside a CUDA graph: row and query-tile capacity."""
+@dataclass
+class _HostIndices:
+    """A batch's index lists on the host, in the order TritonMetadata's views take them."""
 
-    rows: int
-    tiles: int
-    block_m: int
+    rows: list[int]
+    prefix: list[int]
+    ext: list[int]
+    seq: list[int]
+    starts: list[int]  # first flat token of each row
+    splits: list[int] = field(default_factory=list)
+    block_batch: list[int] = field(default_factory=list)  # extend query tiles: row
+    block_qstart: list[int] = field(default_factory=list)  # and first new token in it
+    dec_ids: list[int] = field(default_factory=list)  # a mixed batch's one-token rows:
+    dec_seq: list[int] = field(default_factory=list)  # page-table row, length and flat
+    dec_tok: list[int] = field(default_factory=list)  # token of each
 
+    @classmethod
+    def of(cls, layout: BatchLayout) -> _HostIndices:
+        starts = [0, *itertools.accumulate(layout.extend_lens)][:-1]
+        return cls(layout.req_rows, layout.prefix_lens, layout.extend_lens, layout.seq_lens, starts)
 
-def extend_tiles(head_dim: int, max_extend: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the extend kernel for Hopper-class GPUs."""
-    if head_dim > 128:
-        return 64, 32, 8  # keeps the fp32 accumulator and K/V tiles in registers/smem
-    block_m = 64 if max_extend <= 64 else 128  # short rows waste less of a smaller tile
-    return block_m, 64, 8 if head_dim > 64 else 4
+    def split_extend(self, req_rows: list[int], block_m: int) -> None:
+        """Rows of new tokens into query tiles of ``block_m``; one-token rows (decodes riding
+        in a mixed batch) to the decode kernel."""
+        for i, e in enumerate(self.ext):
+            if e == 1:
+                self.dec_ids.append(req_rows[i])
+                self.dec_seq.append(self.seq[i])
+                self.dec_tok.append(self.starts[i])
+                continue
+            for q0 in range(0, e, block_m):
+                self.block_batch.append(i)
+                self.block_qstart.append(q0)
 
+    def pad_decode_rows(self, rows: int) -> None:
+        """Decode rows up to ``rows``: padding rows have 0 splits, so every program of
+        theirs returns at once."""
+        n_pad = rows - len(self.dec_ids)
+        self.dec_ids, self.dec_tok = self.dec_ids + [0] * n_pad, self.dec_tok + [0] * n_pad
+        self.dec_seq = self.dec_seq + [0] * n_pad
 
-# Split-KV decode plan, from the tile/plan sweep over the offline workload's real ragged
-# batches (benchmark/gpu/sweep_ragged.py, benchmark/RESULTS.md): aim for about this many
-# waves of SM-sized program sets. Big batches (B * Hk >= waves * SMs) are not split at all.
-DECODE_WAVES = 4
-# The one-token rows of a mixed batch: a row's plan must not depend on the other rows,
-# since a mixed CUDA graph pads them to its row capacity (greedy tokens must not change
-# with graphs off). Up to this many chunks, of at least MIXED_SPLIT_TOKENS each.
-MIXED_DECODE_SPLITS = 4
-MIXED_SPLIT_TOKENS = 1024
+    def pad_rows(self, pad: ExtendGraphShape) -> None:
+        """Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the
+        last of them, so their programs exit before touching memory."""
+        assert len(self.block_batch) <= pad.tiles, (len(self.block_batch), pad)
+        fill = pad.rows + 1 - len(self.ext)
+        total = sum(self.ext)
+        self.rows = self.rows + [self.rows[0] if self.rows else 0] * fill
+        self.prefix, self.ext = self.prefix + [0] * fill, self.ext + [0] * fill
+        self.seq, self.starts = self.seq + [0] * fill, self.starts + [total] * fill
+        spare = pad.tiles - len(self.block_batch)
+        self.block_batch = self.block_batch + [pad.rows] * spare
+        self.block_qstart = self.block_qstart + [0] * spare
 
-
-def plan_decode_splits(
-    seq_lens: list[int],
-    num_kv_heads: int,
-    num_sms: int,
-    max_splits: int,
-    min_split_tokens: int,
-    block_n: int,
-    waves: int = DECODE_WAVES,
-    batch: int | None = None,
-) -> list[int]:
-    """KV chunks per decode row: chunks of about equal size, so that B * Hk * splits
-    programs fill about ``waves`` waves of SMs and no program runs much longer than the rest
-    (a long row gets more chunks than a short one). ``batch`` (default: the row count) is
-    the size the batch is planned as.
-
-    A chunk shorter than ``min_split_tokens`` costs more in the reduction than it saves.
-    The count is then shrunk so that every chunk, rounded up to ``block_n`` as the kernel
-    does, is non-empty.
-    """
-    bsz = len(seq_lens) if batch is None else batch
-    cap = decode_split_cap(bsz, num_kv_heads, num_sms, max_splits, waves)
-    if cap == 1:
-        return [1] * len(seq_lens)  # a big batch fills the GPU without splitting
-    # KV before each row's new token: a CUDA graph's padding rows (one token) add nothing.
-    total = sum(max(n - 1, 0) for n in seq_lens)
-    chunk = max(min_split_tokens, cdiv(total * num_kv_heads, waves * num_sms))
-    return [_aligned_splits(n, min(cap, cdiv(n, chunk)), block_n) for n in seq_lens]
-
-
-def _aligned_splits(length: int, want: int, block_n: int) -> int:
-    """``want`` chunks (at least 1), shrunk so that every chunk, rounded up to ``block_n``
-    as the kernel does, is non-empty."""
-    length = max(length, 1)  # padding rows of a captured graph may be empty
-    aligned = cdiv(cdiv(length, max(1, want)), block_n) * block_n
-    return max(1, cdiv(length, aligned))
-
-
-def decode_split_cap(
-    batch: int, num_kv_heads: int, num_sms: int, max_splits: int, waves: int = DECODE_WAVES
-) -> int:
-    """The decode grid's split axis: enough programs for about ``waves`` waves of SMs. It
-    depends on the batch size only, so a CUDA graph captured per size stays valid."""
-    return max(1, min(max_splits, cdiv(waves * num_sms, max(1, batch * num_kv_heads))))
-
-
-def decode_tiles(max_splits: int) -> tuple[int, int, int]:
-    """(BLOCK_N, warps, stages) of the decode kernel. On the offline workload's ragged
-    batches (H200 sweep) unsplit rows stream KV best in 128-token tiles (3.8 TB/s vs 3.4
-    with 32-token ones); split small batches prefer shorter tiles, since their chunks are
-    short."""
-    if max_splits == 1:
-        return 128, 4, 3
-    if max_splits <= 4:
-        return 64, 4, 2
-    return 32, 4, 2
+    def fields(self) -> list[list[int]]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
 class TritonBackend(AttentionBackend):
@@ -208,71 +194,33 @@ class TritonBackend(AttentionBackend):
         block_n = self._decode_tiles(max_splits)[0]
         want = [min(max_splits, cdiv(n, self.mixed_split_tokens)) for n in seq_lens]
         return max_splits, [
-            _aligned_splits(n, w, block_n) if n else 0 for n, w in zip(seq_lens, want)
+            aligned_splits(n, w, block_n) if n else 0 for n, w in zip(seq_lens, want)
         ]
 
     def _prepare(
         self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
     ) -> TritonMetadata:
-        prefix, ext = layout.prefix_lens, layout.extend_lens
-        seq = layout.seq_lens
-        bsz = len(ext)
-        starts, acc = [], 0
-        for e in ext:
-            starts.append(acc)
-            acc += e
+        host = _HostIndices.of(layout)
+        bsz = len(host.ext)
         is_decode = layout.is_decode and pad is None
-        splits: list[int] = []
-        block_batch: list[int] = []
-        block_qstart: list[int] = []
-        block_m, block_n, warps = extend_tiles(self.pool.head_dim, max(ext))
+        block_m, block_n, warps = extend_tiles(self.pool.head_dim, max(host.ext))
         max_splits = self.max_kv_splits
         if is_decode:
-            max_splits, splits = self._plan_decodes(seq, device)
-        dec_ids: list[int] = []
-        dec_seq: list[int] = []
-        dec_tok: list[int] = []
-        if not is_decode:
-            block_m = self.extend_block_m or block_m
+            max_splits, host.splits = self._plan_decodes(host.seq, device)
+        else:
+            block_m = pad.block_m if pad is not None else (self.extend_block_m or block_m)
             block_n = self.extend_block_n or block_n
+            host.split_extend(layout.req_rows, block_m)
             if pad is not None:
-                block_m = pad.block_m
-            for i, e in enumerate(ext):
-                if e == 1:
-                    # A one-token row (a decode riding in a mixed batch): the decode kernel.
-                    dec_ids.append(layout.req_rows[i])
-                    dec_seq.append(seq[i])
-                    dec_tok.append(starts[i])
-                    continue
-                for q0 in range(0, e, block_m):
-                    block_batch.append(i)
-                    block_qstart.append(q0)
-            if pad is not None:
-                # Padding rows have 0 splits: every program of theirs returns at once.
-                n_pad = pad.rows - len(dec_ids)
-                dec_ids, dec_tok = dec_ids + [0] * n_pad, dec_tok + [0] * n_pad
-                dec_seq = dec_seq + [0] * n_pad
-            if dec_ids:
-                max_splits, splits = self._plan_mixed_decodes(dec_seq)
-        rows = layout.req_rows
+                host.pad_decode_rows(pad.rows)
+            if host.dec_ids:
+                max_splits, host.splits = self._plan_mixed_decodes(host.dec_seq)
         if pad is not None:
-            # Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the
-            # last of them, so their programs exit before touching memory.
-            assert len(block_batch) <= pad.tiles, (len(block_batch), pad)
-            fill = pad.rows + 1 - bsz
-            rows = rows + [rows[0] if rows else 0] * fill
-            prefix, ext, seq = prefix + [0] * fill, ext + [0] * fill, seq + [0] * fill
-            starts = starts + [acc] * fill
-            spare = pad.tiles - len(block_batch)
-            block_batch = block_batch + [pad.rows] * spare
-            block_qstart = block_qstart + [0] * spare
-        # One host-to-device copy for every index the kernels need, each field 16-byte
-        # aligned (Triton specialises kernels on pointer alignment).
-        fields = [rows, prefix, ext, seq, starts, splits, block_batch, block_qstart]
-        fields += [dec_ids, dec_seq, dec_tok]
+            host.pad_rows(pad)
         stager = self.stager if self.stager is not None else DeviceStager(device)
-        # Views of one buffer: copy_metadata refreshes a captured graph's with one copy.
-        flat, parts = stager.stage_flat(fields, torch.int32)
+        # One host-to-device copy for every index the kernels need (views of one buffer:
+        # copy_metadata refreshes a captured graph's with one copy).
+        flat, parts = stager.stage_flat(host.fields(), torch.int32)
         return TritonMetadata(
             is_decode=is_decode,
             batch=bsz if pad is None else pad.rows,
@@ -290,7 +238,7 @@ class TritonBackend(AttentionBackend):
             block_n=block_n,
             num_warps=warps,
             packed=flat,
-            dec_rows=len(dec_ids),
+            dec_rows=len(host.dec_ids),
             dec_row_ids=parts[8],
             dec_seq_lens=parts[9],
             dec_tokens=parts[10],
@@ -323,22 +271,29 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = metadata
         assert isinstance(md, TritonMetadata)
-        k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
-        block_n, warps, stages = self._decode_tiles(md.max_splits)
+        k, v = self.pool.k(layer_id), self.pool.v(layer_id)
+        # The decode kernel's plan: KV chunks per row, the grid's split axis, the scale, and
+        # its (block_n, warps, stages).
+        plan = (md.num_splits, md.max_splits, scale, *self._decode_tiles(md.max_splits))
         if md.is_decode:
-            return decode_attention(
-                q, k_cache, v_cache, md.page_table, md.row_ids, md.seq_lens, md.num_splits,
-                md.max_splits, scale, block_n, warps, stages,
-            )  # fmt: skip
+            return decode_attention(q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan)
         out = extend_attention(
-            q, k_cache, v_cache, md.page_table, md.row_ids, md.prefix_lens, md.extend_lens,
-            md.extend_starts, md.block_batch, md.block_qstart, scale, md.block_m, md.block_n,
+            q,
+            k,
+            v,
+            md.page_table,
+            md.row_ids,
+            md.prefix_lens,
+            md.extend_lens,
+            md.extend_starts,
+            md.block_batch,
+            md.block_qstart,
+            scale,
+            md.block_m,
+            md.block_n,
             md.num_warps,
-        )  # fmt: skip
+        )
         if md.dec_rows:  # the one-token rows of a mixed batch, into the same output
-            decode_attention(
-                q, k_cache, v_cache, md.page_table, md.dec_row_ids, md.dec_seq_lens,
-                md.num_splits, md.max_splits, scale, block_n, warps, stages,
-                q_index=md.dec_tokens, out=out.view(q.shape),
-            )  # fmt: skip
+            dec = (md.dec_row_ids, md.dec_seq_lens, *plan, md.dec_tokens, out.view(q.shape))
+            decode_attention(q, k, v, md.page_table, *dec)
         return out

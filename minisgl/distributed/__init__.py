@@ -23,14 +23,14 @@ class TPInfo:
 
 
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    """The sum of ``x`` over the TP ranks: through GPU peer memory when set up and ``x`` is
-    small (peer_all_reduce.py), else in place through the process group."""
+    """The sum of ``x`` over the TP ranks: by the reducer set up for the run where it takes
+    ``x`` (reducer.py), else in place through the process group."""
     if tp.size > 1:
-        from minisgl.distributed import peer_all_reduce
+        from minisgl.distributed.reducer import active_reducer
 
-        peer = peer_all_reduce.active()
-        if peer is not None and peer.takes(x):
-            return peer(x)
+        reducer = active_reducer()
+        if reducer is not None and reducer.takes(x):
+            return reducer(x)
         import torch.distributed as dist
 
         dist.all_reduce(x)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
+from minisgl.distributed.reducer import reset_reducer, setup_reducer
 from minisgl.distributed.topology import Topology, split_addr
 from minisgl.env import DIST_TIMEOUT_S
 
@@ -91,10 +92,7 @@ def init_tp_group(
         backend=backend, store=store, rank=tp.rank, world_size=tp.size, timeout=timeout
     )
     _control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    if device.type == "cuda" and not config.disable_custom_all_reduce:
-        from minisgl.distributed import peer_all_reduce
-
-        peer_all_reduce.setup(device, (torch.bfloat16, torch.float32))
+    setup_reducer(config, device)
 
 
 def _wait_for_ranks(store: dist.TCPStore, others: int, check: Callable[[], None] | None) -> None:
@@ -116,9 +114,7 @@ def control_group() -> dist.ProcessGroup:
 def destroy_tp_group() -> None:
     """Leave the groups, so that this process can start another TP run later."""
     global _control
-    from minisgl.distributed import peer_all_reduce
-
     _control = None
-    peer_all_reduce.reset()
+    reset_reducer()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -6,9 +6,9 @@ import logging
 
 import numpy as np
 import torch
-from torch import nn
 
 from minisgl.attention.base import AttentionBackend, BatchLayout, ForwardBatch
+from minisgl.attention.registry import make_backend
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.cuda_graph import CudaGraphRunner, GraphTarget
@@ -30,6 +30,7 @@ from minisgl.kvcache.kv_dtype import kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
 from minisgl.models.config import ModelConfig
+from minisgl.models.decoder import CausalLM
 from minisgl.models.registry import build_model
 from minisgl.models.resolve import resolve_model_path
 from minisgl.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ class Engine:
         self.chunked_prefill_size = config.chunked_prefill_size or (8192 if on_cuda else 256)
         torch.manual_seed(config.seed)
         with default_dtype(self.dtype), torch.device(self.device):
-            self.model: nn.Module = build_model(
+            self.model: CausalLM = build_model(
                 cfg, self.tp, max(self.context_length, cfg.max_position)
             )
         self.model.eval()
@@ -101,7 +102,7 @@ class Engine:
 
     def _make_pool(self) -> KVPool:
         cfg, c = self.model_config, self.config
-        kv_heads = self.model.model.layers[0].self_attn.num_kv_heads  # type: ignore[index,union-attr]
+        kv_heads = self.model.local_kv_heads
         # Never more than every request at full context could use.
         most = self.max_running_requests * self.context_length // c.page_size + 1
         pages = kv_pool_pages(c, cfg, kv_heads, self.device, self.dtype, self.kv_dtype, most)
@@ -140,25 +141,11 @@ class Engine:
         self.page_table[-1].fill_(self.scratch_slot)
 
     def _make_backend(self) -> AttentionBackend:
+        # Fused only on CUDA: there the unfused layers run the same Triton kernels, so the
+        # switch never changes outputs (on CPU they fall back to torch).
+        fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
         name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        if name == "torch":
-            from minisgl.attention.torch_backend import TorchBackend
-
-            return TorchBackend(self.pool)
-        if name == "triton":
-            from minisgl.attention.triton_backend import TritonBackend
-
-            # Fused only on CUDA: there the unfused layers run the same Triton kernels, so the
-            # switch never changes outputs (on CPU they fall back to torch).
-            fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
-            return TritonBackend(self.pool, stager=self.stager, fused_kv_store=fused)
-        if name == "flashinfer":
-            from minisgl.attention.flashinfer_backend import FlashInferBackend
-
-            return FlashInferBackend(self.pool, self.device)
-        raise ValueError(f"attention_backend={name!r} is not available")
+        return make_backend(name, self.pool, self.device, self.stager, fused)
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
@@ -208,7 +195,7 @@ class Engine:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] (model dtype) of final hidden states [R, hidden]."""
-        return self.model.logits(hidden)  # type: ignore[operator,no-any-return]
+        return self.model.logits(hidden)
 
     @torch.inference_mode()
     def forward(self, step: StepInput) -> PendingStep | None:

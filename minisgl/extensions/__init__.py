@@ -1,2 +1,2 @@
-"""Extensions: one package per production feature, each plugging into an interface the core
-defines (minisgl/extension_loader.py loads them; docs/architecture.md lists them)."""
+"""Extensions: one package each, loaded by minisgl/extension_loader.py, registering what they
+add with the registries the core defines. Removing a package leaves a core that runs."""

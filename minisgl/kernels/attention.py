@@ -1,4 +1,5 @@
-"""Paged attention kernels in Triton: split-KV decode (+ reduction) and causal extend.
+"""Paged attention kernels in Triton: causal extend here, split-KV decode (+ reduction) in
+decode_attention.py; the tile helpers both use.
 
 K/V live in the pool as [num_slots, Hk, D]; each request's token j sits at slot
 ``page_table[row, j]``. Kernels read that slot per token, so any page size works.
@@ -13,14 +14,14 @@ import triton.language as tl
 
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634
 # Running-max start value: finite, so a tile whose scores are all masked gives
 # exp2(-inf - (-1e30)) = 0 rather than the NaN that -inf - (-inf) would.
-_NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _tile_slots(pt_row_ptr, pos, n_mask, MASK_N: tl.constexpr):
+def tile_slots(pt_row_ptr, pos, n_mask, MASK_N: tl.constexpr):
     """The KV pool slots of one tile's tokens, from the request's page-table row."""
     if MASK_N:
         return tl.load(pt_row_ptr + pos, mask=n_mask, other=0).to(tl.int64)
@@ -28,25 +29,25 @@ def _tile_slots(pt_row_ptr, pos, n_mask, MASK_N: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(
+def load_kv(
     k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
     offs_d, d_mask, dtype: tl.constexpr, MASK_N: tl.constexpr,
 ):  # fmt: skip
     """Gather one tile of K and V through the page table (one slot index per token), as
     ``dtype`` (q's: an fp8 pool, --kv-cache-dtype, is upcast here; its scale is 1.0)."""
-    slots = _tile_slots(pt_row_ptr, pos, n_mask, MASK_N)
-    return _load_kv_at(
+    slots = tile_slots(pt_row_ptr, pos, n_mask, MASK_N)
+    return load_kv_at(
         k_cache_ptr, v_cache_ptr, slots, n_mask, kv_head, stride_cs, stride_ch, offs_d, d_mask,
         dtype, MASK_N,
     )  # fmt: skip
 
 
 @triton.jit
-def _load_kv_at(
+def load_kv_at(
     k_cache_ptr, v_cache_ptr, slots, n_mask, kv_head, stride_cs, stride_ch, offs_d, d_mask,
     dtype: tl.constexpr, MASK_N: tl.constexpr,
 ):  # fmt: skip
-    """_load_kv with the tile's slots already read."""
+    """load_kv with the tile's slots already read."""
     if MASK_N:
         mask = n_mask[:, None] & d_mask[None, :]
     else:
@@ -58,7 +59,7 @@ def _load_kv_at(
 
 
 @triton.jit
-def _softmax_step(
+def softmax_step(
     q, k, v, s_mask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr, MASK_S: tl.constexpr
 ):  # fmt: skip
     """Fold one KV tile into the running (max, sum, acc) of an online softmax."""
@@ -71,128 +72,6 @@ def _softmax_step(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, row_ids_ptr, seq_lens_ptr, num_splits_ptr,
-    q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
-    stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    GATHER: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
-    # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
-    b = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    # The step's metadata (split counts, lengths, rows, the page table) is written by the host
-    # before the step, never by a kernel: it is read before the PDL wait (kernels/pdl.py), so
-    # its chain of dependent loads overlaps the previous kernel instead of following it.
-    n_splits = tl.load(num_splits_ptr + b)
-    if split >= n_splits:
-        return  # also every program of a padding row (0 splits)
-    # GATHER: the one-token rows of a mixed batch; row b's token sits at q_index[b].
-    tok = tl.load(q_index_ptr + b).to(tl.int64) if GATHER else b.to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + b)
-    # Must match plan_decode_splits: chunks are BLOCK_N-aligned so only the last tile masks.
-    chunk = tl.cdiv(tl.cdiv(seq_len, n_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    row = tl.load(row_ids_ptr + b).to(tl.int64)
-    pt_row_ptr = page_table_ptr + row * stride_pt
-    offs_n = tl.arange(0, BLOCK_N)
-    # Split rows (small batches: a chunk is often one tile) also read the first tile's slots
-    # before the wait. Unsplit ones (big batches, many tiles a program) keep every tile in
-    # the loop: peeling one there made the offline workload ~3% slower (RESULTS.md).
-    PEEL: tl.constexpr = not DIRECT
-    if PEEL:
-        first_pos = start + offs_n
-        first_mask = first_pos < end
-        first_slots = _tile_slots(pt_row_ptr, first_pos, first_mask, True)
-    pdl_wait(PDL)  # q and the K/V cache: the kernels before this one write them
-
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < GROUP
-    d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h
-    q_off = tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)  # K/V tiles follow q's dtype
-
-    m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    loop_start = start
-    if PEEL:
-        # The first tile, peeled off the loop: the same arithmetic as the loop's (an empty
-        # chunk: all masked, as no iteration).
-        k, v = _load_kv_at(
-            k_cache_ptr, v_cache_ptr, first_slots, first_mask, kv_head, stride_cs, stride_ch,
-            offs_d, d_mask, q.dtype, True,
-        )  # fmt: skip
-        m_i, l_i, acc = _softmax_step(
-            q, k, v, first_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
-        )
-        loop_start = start + BLOCK_N
-    for n0 in range(loop_start, end, BLOCK_N):
-        pos = n0 + offs_n
-        n_mask = pos < end
-        k, v = _load_kv(
-            k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
-            offs_d, d_mask, q.dtype, True,
-        )  # fmt: skip
-        m_i, l_i, acc = _softmax_step(
-            q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
-        )
-
-    # An empty chunk (only possible if the host plan and this kernel disagree) reports
-    # lse = -inf so the reduction gives it zero weight instead of NaN.
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    lse = tl.where(has, m_i + tl.log2(l_safe), float("-inf"))
-    # DIRECT (no split): the result is final and goes straight to the output token's row.
-    mo_row = tok if DIRECT else b.to(tl.int64)
-    mo = mo_row * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
-    tl.store(mid_o_ptr + mo, acc / l_safe[:, None], mask=h_mask[:, None] & d_mask[None, :])
-    ml = b * stride_ml_b + heads * stride_ml_h + split
-    tl.store(mid_lse_ptr + ml, lse, mask=h_mask)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    mid_o_ptr, mid_lse_ptr, num_splits_ptr, q_index_ptr, out_ptr,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, GATHER: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    n_splits = tl.load(num_splits_ptr + b)  # host-written metadata: before the wait
-    if n_splits == 0:
-        return  # a padding row
-    tok = tl.load(q_index_ptr + b).to(tl.int64) if GATHER else b.to(tl.int64)
-    pdl_wait(PDL)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < n_splits
-    d_mask = offs_d < HEAD_DIM
-    lse_ptr = mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s
-    lse = tl.load(lse_ptr, mask=s_mask, other=float("-inf"))
-    live = lse > float("-inf")
-    m = tl.max(tl.where(live, lse, _NEG_BIG), 0)
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    mo = b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :]
-    o = tl.load(mid_o_ptr + mo, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    denom = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    dst = out_ptr + tok * stride_ot + h * stride_oh + offs_d
-    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit
@@ -230,29 +109,29 @@ def _extend_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys before this tile's first query are visible to all its queries: no causal mask.
     full_end = (prefix + q0) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         pos = n0 + offs_n
-        k, v = _load_kv(
+        k, v = load_kv(
             k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, pos, kv_head, stride_cs, stride_ch,
             offs_d, d_mask, q.dtype, False,
         )  # fmt: skip
-        m_i, l_i, acc = _softmax_step(q, k, v, pos, m_i, l_i, acc, qk_scale, DOT_PREC, False)
+        m_i, l_i, acc = softmax_step(q, k, v, pos, m_i, l_i, acc, qk_scale, DOT_PREC, False)
     # Diagonal band; tiles past the last valid query's position are never visited.
     kv_end = prefix + tl.minimum(q0 + BLOCK_M, ext)
     for n0 in range(full_end, kv_end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < kv_end
-        k, v = _load_kv(
+        k, v = load_kv(
             k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
             offs_d, d_mask, q.dtype, True,
         )  # fmt: skip
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        m_i, l_i, acc = _softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_PREC, True)
+        m_i, l_i, acc = softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_PREC, True)
 
     # Every query sees key 0, so l_i > 0 on real rows; padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -264,84 +143,20 @@ def _extend_kernel(
 _INTERPRETED = type(_extend_kernel).__name__ == "InterpretedFunction"
 
 
-def _dot_mode(dtype: torch.dtype) -> dict[str, object]:
+def dot_mode(dtype: torch.dtype) -> dict[str, object]:
     # fp32 would otherwise run on TF32 tensor cores (~1e-3 error); 16-bit ignores the flag.
     # Triton's interpreter multiplies the raw bits of bf16 tl.dot operands: upcast there.
     upcast = _INTERPRETED and dtype != torch.float32
     return {"DOT_PREC": "ieee" if upcast or dtype == torch.float32 else "tf32", "UPCAST": upcast}
 
 
-def _unit_last_stride(q: torch.Tensor) -> torch.Tensor:
+def unit_last_stride(q: torch.Tensor) -> torch.Tensor:
     # Token/head strides are passed, so views of a fused QKV output need no copy.
     return q if q.stride(-1) == 1 else q.contiguous()
 
 
-def _head_block(head_dim: int) -> int:
+def head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dim >= 16
-
-
-def decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,
-    row_ids: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_splits: torch.Tensor,
-    max_splits: int,
-    sm_scale: float,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    q_index: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One new token per row: q [B, Hq, D] -> out [B, Hq * D]. The grid (B, Hk, max_splits)
-    depends only on B, so a CUDA graph replays with new lengths; ``num_splits`` [B] (device,
-    from ``plan_decode_splits`` with this ``block_n``) says how many chunks a row uses; a
-    row with 0 splits is padding and writes nothing.
-
-    With ``q_index`` [B] the rows are the one-token rows of a mixed batch: row b's query is
-    token ``q_index[b]`` of q [T, Hq, D], and its result goes to that token's row of ``out``
-    [T, Hq, D] (shared with the extend kernel, which writes the other tokens)."""
-    q = _unit_last_stride(q)
-    num_tokens, hq, d = q.shape
-    bsz = num_tokens if q_index is None else q_index.shape[0]
-    hk = k_cache.shape[1]
-    group = hq // hk
-    block_d = _head_block(d)
-    if out is None:
-        out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
-    gather = q_index is not None
-    q_index_arg = q_index if q_index is not None else num_splits
-    if max_splits == 1:
-        # No row is split (a big batch fills the GPU): each program's result is final, so
-        # it is written straight into the output and the reduction kernel is skipped.
-        mid_o, mo_strides = out, (out.stride(0), out.stride(1), 0)
-        mid_lse = torch.empty(bsz, hq, 1, dtype=torch.float32, device=q.device)
-    else:
-        mid_o = torch.empty(bsz, hq, max_splits, d, dtype=torch.float32, device=q.device)
-        mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
-        mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(bsz, hk, max_splits)](
-        q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, q_index_arg, mid_o,
-        mid_lse, sm_scale * _LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=block_d, BLOCK_N=block_n, **_dot_mode(q.dtype), GATHER=gather,
-        DIRECT=max_splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
-    )  # fmt: skip
-    if max_splits == 1:
-        return out.view(num_tokens, hq * d)
-    _decode_reduce_kernel[(bsz, hq)](
-        mid_o, mid_lse, num_splits, q_index_arg, out,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)), BLOCK_D=block_d,
-        GATHER=gather, num_warps=2 if block_d <= 64 else 4, **pdl_args(),
-    )  # fmt: skip
-    return out.view(num_tokens, hq * d)
 
 
 def extend_attention(
@@ -364,7 +179,7 @@ def extend_attention(
     """Causal attention of new tokens over prefix + themselves: q [T, Hq, D] -> [T, Hq * D].
     ``block_batch``/``block_qstart`` [NB] give each BLOCK_M query tile's row and first new
     token within the row; the grid is (NB, Hq)."""
-    q = _unit_last_stride(q)
+    q = unit_last_stride(q)
     num_tokens, hq, d = q.shape
     hk = k_cache.shape[1]
     if out is None:
@@ -374,10 +189,10 @@ def extend_attention(
         return out.view(num_tokens, hq * d)
     _extend_kernel[(num_blocks, hq)](
         q, k_cache, v_cache, out, page_table, row_ids, prefix_lens, extend_lens, extend_starts,
-        block_batch, block_qstart, sm_scale * _LOG2E,
+        block_batch, block_qstart, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=hq // hk, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_head_block(d),
-        **_dot_mode(q.dtype), num_warps=num_warps, num_stages=2, **pdl_args(),
+        GROUP=hq // hk, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(d),
+        **dot_mode(q.dtype), num_warps=num_warps, num_stages=2, **pdl_args(),
     )  # fmt: skip
     return out.view(num_tokens, hq * d)

@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
-from minisgl.kernels.all_reduce_norm import LamportPush, push, sendable
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -30,16 +29,14 @@ MAX_ROWS = 4
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
-    own_ptr, bufs_ptr, epochs_ptr, slot_elems,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PUSH: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-    NORM_BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
     # roundings of a GEMV into [gate, up] followed by kernels/activation.py (bit-equal).
-    # PUSH: out is this rank's partial sum of a TP all-reduce + norm; its columns also go
-    # straight into the peers' slots of that call (kernels/all_reduce_norm.py).
+    # (The peer-memory extension's pushing GEMV repeats the ungated, unbiased arithmetic
+    # with a push of its own: a change here must be made there too, where a test checks
+    # the two bit-equal.)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,10 +62,6 @@ def _gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if GATED:
             bias_up = tl.load(b_ptr + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    ranks = tl.arange(0, WORLD_P2)
-    buf_addrs = tl.zeros([WORLD_P2], tl.int64)
-    if PUSH:  # the buffers' addresses: constant, so read before the wait
-        buf_addrs = tl.load(bufs_ptr + ranks, mask=ranks < WORLD, other=0)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
@@ -99,18 +92,7 @@ def _gemv_kernel(
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         y = act * up.to(dtype).to(tl.float32)
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    if PUSH:
-        elem_bytes: tl.constexpr = dtype.primitive_bitwidth // 8
-        y_out = sendable(y.to(dtype), elem_bytes)
-        tl.store(dst, y_out, mask=out_mask)
-        # The epoch that row's all-reduce program will use: its counter + 1.
-        epoch = tl.load(epochs_ptr + offs_m // NORM_BLOCK_M, mask=m_mask, other=0) + 1
-        slot = ((epoch % 2) * WORLD + RANK) * slot_elems
-        remote = slot[:, None] + offs_m[:, None] * n_cols + offs_n[None, :]
-        push(own_ptr, buf_addrs, ranks, y_out, remote, out_mask, RANK, WORLD, elem_bytes)
-    else:
-        tl.store(dst, y.to(dtype), mask=out_mask)
+    tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
 Tiles = GemvTiles
@@ -155,36 +137,23 @@ def gemv(
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
     gated: bool = False,
-    lamport: LamportPush | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
-    ``gated``: weight is [gate; up] (N = 2I) and the result is silu(gate) * up, [M, I].
-    ``lamport``: the result is also pushed to the peers for the `all_reduce_add_rms_norm`
-    call (with ``pushed=True``) that must come next on this stream, on this result."""
+    ``gated``: weight is [gate; up] (N = 2I) and the result is silu(gate) * up, [M, I]."""
     rows, k_dim = x.shape
     n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
     assert not gated or weight.shape[0] % 2 == 0
-    assert lamport is None or (not gated and lamport.own.dtype == x.dtype)
-    assert lamport is None or rows * n_cols <= lamport.slot_elems
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
-    # Without a push the kernel never reads these (any tensor stands in for the pointers).
-    own, bufs, epochs, slot_elems, rank, norm_block_m = (
-        (lamport.own, lamport.bufs, lamport.epochs, lamport.slot_elems, lamport.rank,
-         lamport.block_m) if lamport is not None else (out, out, out, 0, 0, 1)
-    )  # fmt: skip
-    world = bufs.numel() if lamport is not None else 1
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
-        x.stride(0), weight.stride(0), out.stride(0), own, bufs, epochs, slot_elems,
+        x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PUSH=lamport is not None, RANK=rank, WORLD=world,
-        WORLD_P2=triton.next_power_of_2(world), NORM_BLOCK_M=norm_block_m,
-        num_warps=warps, num_stages=stages, **pdl_args(),
+        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -74,11 +74,9 @@ class SelfAttention(nn.Module):
         from minisgl.kernels.qk_rope_store import fused_qk_norm_rope_store
 
         pool = batch.attn_backend.pool
-        q_w = k_w = None
-        eps = 0.0
-        if self.q_norm is not None and self.k_norm is not None:
-            q_w, k_w, eps = self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
-        return fused_qk_norm_rope_store(
-            q, k, v, batch.positions, self.rotary.cos_table, self.rotary.sin_table,
-            pool.k(self.layer_id), pool.v(self.layer_id), batch.out_slots, q_w, k_w, eps,
-        )  # fmt: skip
+        rope = (batch.positions, self.rotary.cos_table, self.rotary.sin_table)
+        store = (pool.k(self.layer_id), pool.v(self.layer_id), batch.out_slots)
+        if self.q_norm is None or self.k_norm is None:
+            return fused_qk_norm_rope_store(q, k, v, *rope, *store)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        return fused_qk_norm_rope_store(q, k, v, *rope, *store, *norms)

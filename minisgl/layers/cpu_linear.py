@@ -18,13 +18,13 @@ MINISGL_CPU_ONEDNN=0 keeps only the originals (and F.linear from 3 rows on).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import minisgl.env as env
+from minisgl.env import CPU_ONEDNN, FUSED_GATE_UP, TRITON_GEMV
 from minisgl.kernels import GemvTiles
 
 
@@ -37,12 +37,15 @@ def _onednn_available() -> bool:
     )
 
 
-ONEDNN = _onednn_available() and env.CPU_ONEDNN.get()
-TRITON_GEMV = env.TRITON_GEMV.get()
-# Batch 1: the MLP's SiLU-and-mul in the gate/up GEMV's epilogue (bit-equal, one kernel
-# less per layer). Off until measured on the H200 (benchmark/RESULTS.md).
-FUSED_GATE_UP = env.FUSED_GATE_UP.get()
-_gemv: Any = None  # kernels.gemv.gemv, imported by pack_model (CPU installs never import triton)
+ONEDNN = _onednn_available() and CPU_ONEDNN.get()
+
+
+def _no_gemv(*args: object, **kwargs: object) -> torch.Tensor:
+    raise RuntimeError("GEMV tiles without the GEMV: pack_model sets both")
+
+
+# kernels.gemv.gemv, imported by pack_model (CPU installs never import triton).
+_gemv: Callable[..., torch.Tensor] = _no_gemv
 
 
 def linear(
@@ -56,7 +59,7 @@ def linear(
     ``gemv_tiles``: one-row products run the Triton GEMV with these tiles (see pack_model)."""
     rows = x.shape[0] if x.dim() == 2 else 0
     if gemv_tiles is not None and rows == 1:
-        return _gemv(x, weight, bias, gemv_tiles)  # type: ignore[no-any-return]
+        return _gemv(x, weight, bias, gemv_tiles)
     if x.device.type != "cpu" or x.dtype != torch.float32 or rows == 0:
         return F.linear(x, weight, bias)
     if rows <= 2:
@@ -99,16 +102,21 @@ def gated_gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles
 ) -> torch.Tensor:
     """silu(x gate^T) * (x up^T) for one row, weight = [gate; up] (see kernels/gemv.py)."""
-    return _gemv(x, weight, bias, tiles, gated=True)  # type: ignore[no-any-return]
+    return _gemv(x, weight, bias, tiles, gated=True)
 
 
 def pack_model(
-    model: nn.Module, gemv: bool = TRITON_GEMV, fused_gate_up: bool = FUSED_GATE_UP
+    model: nn.Module, gemv: bool | None = None, fused_gate_up: bool | None = None
 ) -> None:
     """Prepare every layer that computes through `linear` (after loading): CPU weights
-    reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins; gated
-    MLPs (``fused_tiles``) given tiles for a gate/up GEMV with SiLU fused in."""
+    reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins
+    (``gemv``: the TRITON_GEMV switch unless given); gated MLPs (``fused_tiles``) given
+    tiles for a gate/up GEMV with SiLU fused in (``fused_gate_up``: the FUSED_GATE_UP switch
+    unless given; batch 1, bit-equal, one kernel less per layer; off until measured on the
+    H200, benchmark/RESULTS.md)."""
     global _gemv
+    gemv = TRITON_GEMV.get() if gemv is None else gemv
+    fused_gate_up = FUSED_GATE_UP.get() if fused_gate_up is None else fused_gate_up
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(type(module), "cpu_packed") and isinstance(weight, torch.Tensor):
@@ -133,8 +141,7 @@ def _fused_tiles(mlp: nn.Module) -> GemvTiles | None:
     ms/token at batch 1 on the H200, benchmark/RESULTS.md)."""
     from minisgl.layers.activation import silu_and_mul
 
-    layer: Any = getattr(mlp, "gate_up_proj")  # noqa: B009
     if getattr(mlp, "act", None) is not silu_and_mul:
         return None
-    tiles: GemvTiles | None = getattr(layer, "gemv_tiles", None)
+    tiles: GemvTiles | None = getattr(mlp.get_submodule("gate_up_proj"), "gemv_tiles", None)
     return tiles

@@ -1,7 +1,9 @@
 """Linear layers that shard their weights for tensor parallelism.
 
 Each parameter carries a ``weight_loader`` that copies the rank's slice of a full
-checkpoint tensor into it, so loading never materialises the full merged weight.
+checkpoint tensor into it, so loading never materialises the full merged weight. A
+quantized checkpoint's method (layers/quantization.py) creates, finishes and multiplies the
+weights of the column- and row-parallel layers; the layers only shard.
 """
 
 from __future__ import annotations
@@ -12,26 +14,48 @@ import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
+from minisgl.distributed.reducer import active_reducer
 from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import linear
-from minisgl.layers.quantized import QuantConfig, add_int4_params, finish_int4, int4_forward
+from minisgl.layers.quantization import QuantMethod
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
     p.weight_loader = fn  # type: ignore[attr-defined]
 
 
-class _Int4Mixin:
-    """4-bit GPTQ/AWQ weights (layers/quantized.py): load-time parameters in place of
-    ``weight``; after loading, a float ``weight`` (CPU) or the int4 kernel's buffers (CUDA,
-    ``int4_group`` > 0, which routes forward to kernels/int4_gemm.py)."""
+class ShardedLinear(nn.Module):
+    """What the column- and row-parallel layers share: the weights of a float checkpoint,
+    or those ``quant`` makes (None once it has left float weights: the float path runs)."""
 
-    int4_group: int = 0
-    quantized: bool = False
+    cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
+    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
+    weight: nn.Parameter  # float checkpoints, and quantized ones once made float
+
+    def __init__(self, tp: TPInfo, quant: QuantMethod | None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.quant = quant
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        raise NotImplementedError
+
+    def _create_weights(self, out_features: int, in_local: int, in_full: int) -> None:
+        if self.quant is not None:
+            self.quant.create_weights(self, out_features, in_local, in_full, self.load_shard)
+            return
+        self.weight = nn.Parameter(torch.empty(out_features, in_local), requires_grad=False)
+        _set_loader(self.weight, self.load_shard)
 
     def finish_loading(self, dtype: torch.dtype) -> None:
-        if self.quantized:
-            finish_int4(self, dtype)
+        """Called once the checkpoint is loaded (models/loader.py)."""
+        if self.quant is not None and not self.quant.finish_loading(self, dtype):
+            self.quant = None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.apply(self, x, bias)
+        return linear(x, self.weight, bias, self.cpu_packed, self.gemv_tiles)
 
 
 class ReplicatedLinear(nn.Module):
@@ -47,15 +71,12 @@ class ReplicatedLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.cpu_packed, self.gemv_tiles)
 
 
-class ColumnParallelLinear(_Int4Mixin, nn.Module):
+class ColumnParallelLinear(ShardedLinear):
     """Output features split across ranks; shards of several logical outputs may be merged.
 
     ``output_sizes`` lists the logical (full) outputs packed in this layer, e.g. [gate, up];
     each is split evenly across ranks and the local shards are stored back to back.
     """
-
-    cpu_packed: torch.Tensor | None = None
-    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
     def __init__(
         self,
@@ -63,21 +84,15 @@ class ColumnParallelLinear(_Int4Mixin, nn.Module):
         output_sizes: list[int],
         bias: bool,
         tp: TPInfo,
-        quant: QuantConfig | None = None,
+        quant: QuantMethod | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(tp, quant)
         assert all(s % tp.size == 0 for s in output_sizes), (output_sizes, tp.size)
-        self.tp = tp
         self.local_sizes = [s // tp.size for s in output_sizes]
         out = sum(self.local_sizes)
-        if quant is not None:
-            # Every load-time tensor is N-major (layers/quantized.py): load_shard's narrowing
-            # of dim 0 shards and merges them as it does a float weight.
-            self.quantized = True
-            add_int4_params(self, out, in_features, in_features, quant, self.load_shard)
-        else:
-            self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
-            _set_loader(self.weight, self.load_shard)
+        # A quantized layer's load-time tensors are N-major too: load_shard's narrowing of
+        # dim 0 shards and merges them as it does a float weight.
+        self._create_weights(out, in_features, in_features)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if self.bias is not None:
             _set_loader(self.bias, self.load_shard)
@@ -89,9 +104,7 @@ class ColumnParallelLinear(_Int4Mixin, nn.Module):
         param.data.narrow(0, offset, size).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4_group:
-            return int4_forward(self, x, self.bias)
-        return linear(x, self.weight, self.bias, self.cpu_packed, self.gemv_tiles)
+        return self._product(x, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -105,7 +118,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         tp: TPInfo,
-        quant: QuantConfig | None = None,
+        quant: QuantMethod | None = None,
     ) -> None:
         assert num_heads % tp.size == 0, "attention heads must divide by the TP size"
         if num_kv_heads >= tp.size:
@@ -131,11 +144,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, self.head_dim).copy_(part)
 
 
-class RowParallelLinear(_Int4Mixin, nn.Module):
+class RowParallelLinear(ShardedLinear):
     """Input features split across ranks; partial outputs summed with an all-reduce."""
-
-    cpu_packed: torch.Tensor | None = None
-    gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
 
     def __init__(
         self,
@@ -143,20 +153,12 @@ class RowParallelLinear(_Int4Mixin, nn.Module):
         out_features: int,
         bias: bool,
         tp: TPInfo,
-        quant: QuantConfig | None = None,
+        quant: QuantMethod | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(tp, quant)
         assert in_features % tp.size == 0
-        self.tp = tp
         self.local_in = in_features // tp.size
-        if quant is not None:
-            self.quantized = True
-            add_int4_params(self, out_features, self.local_in, in_features, quant, self.load_shard)
-        else:
-            self.weight = nn.Parameter(
-                torch.empty(out_features, self.local_in), requires_grad=False
-            )
-            _set_loader(self.weight, self.load_shard)
+        self._create_weights(out_features, self.local_in, in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
@@ -169,12 +171,9 @@ class RowParallelLinear(_Int4Mixin, nn.Module):
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce (fused with
         the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
-        if self.int4_group:
-            y = int4_forward(self, x, None)
-        elif not reduce and (pushed := self._pushing_gemv(x)) is not None:
+        if not reduce and (pushed := self._pushed_partial(x)) is not None:
             return pushed
-        else:
-            y = linear(x, self.weight, None, self.cpu_packed, self.gemv_tiles)
+        y = self._product(x, None)
         if reduce or self.tp.size == 1:
             y = all_reduce(y, self.tp)
         elif self.tp.rank != 0:
@@ -183,24 +182,11 @@ class RowParallelLinear(_Int4Mixin, nn.Module):
             y = y + self.bias
         return y
 
-    def _pushing_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The batch-1 partial sum, by a GEMV that also pushes it to the peers for the fused
-        all-reduce + norm that follows (distributed/peer_all_reduce.py); None where that
-        path does not apply."""
-        if self.gemv_tiles is None or self.bias is not None or self.tp.size == 1:
+    def _pushed_partial(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The batch-1 partial sum, computed by the TP reducer, which also sends it to the
+        peers for the fused all-reduce + norm that follows (distributed/reducer.py); None
+        where it does not (then the plain product runs)."""
+        if self.quant is not None or self.gemv_tiles is None or self.bias is not None:
             return None
-        if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
-            return None
-        from minisgl.distributed import peer_all_reduce
-
-        peer = peer_all_reduce.active()
-        if peer is None:
-            return None
-        lamport = peer.lamport_push(x.shape[0], self.weight.shape[0], x.dtype)
-        if lamport is None:
-            return None
-        from minisgl.kernels.gemv import gemv
-
-        y = gemv(x, self.weight, None, self.gemv_tiles, lamport=lamport)
-        peer.mark_pushed(y)
-        return y
+        reducer = active_reducer() if self.tp.size > 1 else None
+        return None if reducer is None else reducer.pushed_gemv(x, self.weight, self.gemv_tiles)

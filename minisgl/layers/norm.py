@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
+from minisgl.distributed.reducer import active_reducer
 
 
 class RMSNorm(nn.Module):
@@ -31,14 +32,12 @@ class RMSNorm(nn.Module):
         """Returns (norm(x + residual), x + residual): the fused pre-norm pattern.
 
         ``tp``: x is this rank's partial sum (a layer's output before its all-reduce), summed
-        over the ranks here first; over GPU peer memory, in the same kernel as the norm."""
+        over the ranks here first; by the TP reducer where it takes these, in the same kernel
+        as the norm (distributed/reducer.py)."""
         if tp is not None and tp.size > 1:
-            if x.is_cuda:
-                from minisgl.distributed import peer_all_reduce
-
-                peer = peer_all_reduce.active()
-                if peer is not None and peer.takes_norm(x, residual):
-                    return peer.add_rms_norm(x, residual, self.weight, self.eps)
+            reducer = active_reducer()
+            if reducer is not None and reducer.takes_norm(x, residual):
+                return reducer.add_rms_norm(x, residual, self.weight, self.eps)
             x = all_reduce(x, tp)
         if x.is_cuda and residual is not None:
             from minisgl.kernels.norm import fused_add_rms_norm

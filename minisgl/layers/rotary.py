@@ -22,13 +22,13 @@ def _inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     kind = rope.scaling_type
     if kind == "default":
         return inv, 1.0
-    factor = float(rope.get("factor", 1.0))
+    factor = rope.get("factor", 1.0)
     if kind == "linear":
         return inv / factor, 1.0
     if kind == "llama3":
-        low = float(rope.get("low_freq_factor", 1.0))
-        high = float(rope.get("high_freq_factor", 4.0))
-        old_ctx = float(rope.get("original_max_position_embeddings", 8192))
+        low = rope.get("low_freq_factor", 1.0)
+        high = rope.get("high_freq_factor", 4.0)
+        old_ctx = rope.get("original_max_position_embeddings", 8192.0)
         low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
         wavelen = 2 * math.pi / inv
         scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)

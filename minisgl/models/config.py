@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
-from minisgl.layers.quantized import QuantConfig, parse_quant_config
+from minisgl.layers.quantization import QuantMethod, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -21,12 +21,16 @@ SUPPORTED_ARCHITECTURES = (
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    # "default", "linear", "llama3" or "yarn"; the remaining keys of HF's rope_scaling dict.
+    # "default", "linear", "llama3" or "yarn"; the numeric keys of HF's rope_scaling dict.
     scaling_type: str = "default"
-    scaling: tuple[tuple[str, Any], ...] = ()
+    scaling: tuple[tuple[str, float], ...] = ()
     max_position: int = 2048
 
-    def get(self, key: str, default: Any = None) -> Any:
+    @overload
+    def get(self, key: str) -> float | None: ...
+    @overload
+    def get(self, key: str, default: float) -> float: ...
+    def get(self, key: str, default: float | None = None) -> float | None:
         return dict(self.scaling).get(key, default)
 
 
@@ -60,8 +64,8 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
-    # 4-bit GPTQ/AWQ linear layers (layers/quantized.py); None: float checkpoint.
-    quant: QuantConfig | None = None
+    # The checkpoint's quantization method (layers/quantization.py); None: float weights.
+    quant: QuantMethod | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -97,7 +101,7 @@ class ModelConfig:
         num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
         if quant is not None and num_experts:
             raise ValueError(
-                f"quantization_config.quant_method={quant.method!r} is not supported for "
+                f"quantization_config.quant_method={quant.name!r} is not supported for "
                 "mixture-of-experts models"
             )
         return cls(
@@ -150,7 +154,12 @@ def _rope_config(d: dict[str, Any], max_pos: int) -> RopeConfig:
     kind = str(scaling.get("rope_type") or scaling.get("type") or "default")
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise ValueError(f"unsupported rope scaling type {kind!r}")
+    skip = ("rope_type", "type", "rope_theta")
     extra = tuple(
-        sorted((k, v) for k, v in scaling.items() if k not in ("rope_type", "type", "rope_theta"))
+        sorted(
+            (k, float(v))
+            for k, v in scaling.items()
+            if k not in skip and isinstance(v, (int, float))
+        )
     )
     return RopeConfig(theta=theta, scaling_type=kind, scaling=extra, max_position=max_pos)

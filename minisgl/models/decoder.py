@@ -80,7 +80,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         # One RoPE table shared by every layer (buffers are not parameters, so not loaded).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers))
+        layers = [DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers)]
+        self.local_kv_heads = layers[0].self_attn.num_kv_heads
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
 
@@ -115,3 +117,8 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [R, vocab] (model dtype) of final hidden states [R, hidden]."""
         return self.lm_head.compute_logits(hidden)
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads of this rank's attention layers (what its KV pool holds per token)."""
+        return self.model.local_kv_heads

@@ -80,7 +80,7 @@ def _reader(path: str | Path) -> GGUFReader:
     return _cached_reader(str(p), st.st_mtime_ns, st.st_size)
 
 
-def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _meta(reader: GGUFReader, key: str, default: object = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
@@ -125,11 +125,11 @@ def _dtype_name(reader: GGUFReader) -> str:
     return "bfloat16"
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, object] | None:
     kind = _meta(reader, f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
-    scaling: dict[str, Any] = {"rope_type": str(kind)}
+    scaling: dict[str, object] = {"rope_type": str(kind)}
     factor = _meta(reader, f"{arch}.rope.scaling.factor")
     if factor is not None:
         scaling["factor"] = float(factor)
@@ -143,7 +143,7 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict[str, Any] | None:
     return scaling
 
 
-def gguf_hf_config(path: str | Path) -> dict[str, Any]:
+def gguf_hf_config(path: str | Path) -> dict[str, object]:
     """Build a Hugging Face ``config.json``-like dict from GGUF metadata."""
     reader = _reader(path)
     arch = _architecture(reader)
@@ -164,7 +164,7 @@ def gguf_hf_config(path: str | Path) -> dict[str, Any]:
         # llama.cpp stores Llama-3.1-style scaling only as baked per-dim factors, which cannot be
         # turned back into HF's rope_scaling parameters; outputs will drift from the original.
         logger.warning("%s carries rope_freqs (llama3 rope scaling), which is ignored", path)
-    config: dict[str, Any] = {
+    config: dict[str, object] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,

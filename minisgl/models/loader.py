@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.layers.linear import ShardedLinear
 from minisgl.layers.moe import ALL_EXPERTS
 
 # checkpoint sub-name -> (our parameter sub-name, shard index inside the merged parameter)
@@ -66,7 +67,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             continue
         param = params[target]
         loader = getattr(param, "weight_loader", None)
-        # Packed int4 tensors (layers/quantized.py) keep their dtype: their loader unpacks.
+        # Quantized tensors (layers/quantization.py) keep their dtype: their loader converts.
         raw = getattr(param, "raw_checkpoint", False)
         tensor = tensor.to(device=param.device, dtype=None if raw else param.dtype)
         if loader is not None:
@@ -94,8 +95,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
 
 
 def finish_loading(model: nn.Module) -> None:
-    """Layers that convert their weights once loaded (int4: dequantize on CPU, repack for
-    the kernel on CUDA) do so, in the dtype of the model's float weights."""
+    """Layers of a quantized checkpoint convert their weights once loaded (e.g. int4:
+    dequantize on CPU, repack for the kernel on CUDA), in the dtype of the model's float
+    weights."""
     floats = [
         p.dtype
         for p in model.parameters()
@@ -104,9 +106,8 @@ def finish_loading(model: nn.Module) -> None:
     dtype = floats[0] if floats else torch.get_default_dtype()
     hooked = False
     for module in model.modules():
-        fn = getattr(module, "finish_loading", None)
-        if fn is not None and getattr(module, "quantized", False):
-            fn(dtype)
+        if isinstance(module, ShardedLinear) and module.quant is not None:
+            module.finish_loading(dtype)
             hooked = True
     if hooked and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the unpacked load-time tensors, before the KV pool sizing

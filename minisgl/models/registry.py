@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from minisgl.distributed import TPInfo
 from minisgl.models.config import ModelConfig
 from minisgl.models.decoder import CausalLM
 
 # Llama and Mistral are the same network; Qwen2 adds qkv bias and Qwen3 q/k RMSNorm,
 # both read from the config. Qwen3-MoE swaps the MLP for SparseMoE in sparse layers.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": CausalLM,
     "MistralForCausalLM": CausalLM,
     "Qwen2ForCausalLM": CausalLM,
@@ -19,7 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def build_model(cfg: ModelConfig, tp: TPInfo, max_position: int) -> nn.Module:
+def build_model(cfg: ModelConfig, tp: TPInfo, max_position: int) -> CausalLM:
     try:
         cls = MODEL_REGISTRY[cfg.architecture]
     except KeyError:
@@ -27,4 +25,4 @@ def build_model(cfg: ModelConfig, tp: TPInfo, max_position: int) -> nn.Module:
             f"unsupported model architecture {cfg.architecture!r}; supported: "
             + ", ".join(MODEL_REGISTRY)
         ) from None
-    return cls(cfg, tp, max_position)  # type: ignore[call-arg]
+    return cls(cfg, tp, max_position)

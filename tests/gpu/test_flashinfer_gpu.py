@@ -34,7 +34,7 @@ flashinfer = pytest.importorskip("flashinfer")
     ids=["decode", "prefill", "mixed"],
 )
 def test_attention_matches_torch_reference(prefix: list[int], ext: list[int]) -> None:
-    from minisgl.attention.flashinfer_backend import FlashInferBackend
+    from minisgl.extensions.flashinfer.backend import FlashInferBackend
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -2,8 +2,8 @@
 `python -m pytest tests/gpu/test_int4_gpu.py -m gpu`; the kernel checks of
 tests/unit/test_int4_gemm.py run natively under the same marker).
 
-On CUDA the linear layers keep the packed weights and run kernels/int4_gemm.py (or, for 1-4
-rows, the GEMV of kernels/int4_gemv.py), whose weights equal the dequantized checkpoint's
+On CUDA the linear layers keep the packed weights and run the quantization extension's
+kernels/int4_gemm.py (or, for 1-4 rows, the GEMV of kernels/int4_gemv.py), whose weights equal the dequantized checkpoint's
 rounded to bf16; the products differ from cuBLAS's only in accumulation order, so the first
 tokens agree with the engine on the dequantized float twin (later ones may part, as any two
 bf16 GEMMs' do). The GEMV and the GEMM use the same weights, so switching the GEMV off
@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl import LLM, SamplingParams
+from minisgl import LLM, SamplingParams, env
+from minisgl.extensions.quantization import INT4_GEMV
 from tests.conftest import assert_engine_clean
 from tests.helpers import make_tiny_model
 from tests.int4_checkpoints import write_quantized
@@ -55,7 +56,7 @@ def test_int4_engine_matches_dequantized_bf16_graphs(
     del ref
     llm = LLM(str(qpath), dtype="bfloat16")  # CUDA graphs on by default
     qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,index]
-    assert qkv.int4_group > 0 and qkv.qweight.dtype == torch.int32, "int4 kernel not in use"
+    assert qkv.quant is not None and qkv.qweight.dtype == torch.int32, "int4 kernel not in use"
     got = llm.generate(PROMPTS, params)
     for g, w in zip(got, want):
         assert g["token_ids"][:4] == w["token_ids"][:4]
@@ -80,11 +81,10 @@ def test_int4_fp32_matches_dequantized_exactly_in_tokens(
     assert [r["token_ids"] for r in llm.generate(PROMPTS, params)] == want
 
 
-def _gemv_calls(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> list[int]:
-    """Switch the int4 GEMV on or off (as MINISGL_INT4_GEMV does at import) and count its
-    launches (graph captures included: a launch recorded in a graph is counted once)."""
-    from minisgl.kernels import int4_gemv
-    from minisgl.layers import quantized
+def _gemv_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the int4 GEMV's launches (graph captures included: a launch recorded in a graph
+    is counted once)."""
+    from minisgl.extensions.quantization.kernels import int4_gemv
 
     calls: list[int] = []
     kernel = int4_gemv.int4_gemv
@@ -94,7 +94,6 @@ def _gemv_calls(monkeypatch: pytest.MonkeyPatch, enabled: bool) -> list[int]:
         return kernel(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(int4_gemv, "int4_gemv", counted)
-    monkeypatch.setattr(quantized, "INT4_GEMV", enabled)
     return calls
 
 
@@ -115,10 +114,11 @@ def test_int4_gemv_on_equals_off(
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=True)
     results = {}
     for enabled in (False, True):
-        calls = _gemv_calls(monkeypatch, enabled)
-        llm = LLM(str(qpath), dtype=dtype)
-        solo = [llm.generate([p], params)[0] for p in PROMPTS]
-        batch = llm.generate(PROMPTS, params)
+        calls = _gemv_calls(monkeypatch)
+        with env.override({INT4_GEMV: enabled}):  # the MINISGL_INT4_GEMV switch
+            llm = LLM(str(qpath), dtype=dtype)
+            solo = [llm.generate([p], params)[0] for p in PROMPTS]
+            batch = llm.generate(PROMPTS, params)
         assert (len(calls) > 0) == enabled and all(r <= 4 for r in calls), calls
         if enabled:
             assert {1, 4} <= set(calls), sorted(set(calls))

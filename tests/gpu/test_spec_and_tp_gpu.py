@@ -86,11 +86,11 @@ def test_tp2_equals_tp1_with_graphs_and_overlap(models: dict[str, Path]) -> None
 _PEER_RUN = """
 import json, sys
 from minisgl import LLM
-from minisgl.distributed import peer_all_reduce
+from minisgl.distributed.reducer import active_reducer
 from tests.gpu.test_spec_and_tp_gpu import _workload
 prompts, params = _workload()
 llm = LLM(sys.argv[1], tp_size=2, dtype="bfloat16")
-peer = peer_all_reduce.active()
+peer = active_reducer()
 out = [r["token_ids"] for r in llm.generate(prompts, params)]
 # Calls of the fused all-reduce + norm kernel (per program: its epoch counter).
 fused = int(peer.norm_epochs.sum()) if peer is not None and peer.fuse_norm else 0
@@ -115,13 +115,15 @@ def test_tp2_peer_all_reduce_matches_nccl_bf16(
     that follows them or not (the FUSED_ALL_REDUCE_NORM switch), their rows pushed by the
     batch-1 GEMV before them or by the norm kernel (GEMV_PUSH), give the same tokens
     as NCCL for everything (two ranks sum a + b either way). The peer run is a fresh
-    process: only a process's first TP run uses peer memory (peer_all_reduce.py)."""
+    process: only a process's first TP run uses peer memory (the peer_memory extension)."""
     nccl = _greedy(models["target"], tp_size=2, dtype="bfloat16", disable_custom_all_reduce=True)
     root = Path(__file__).resolve().parents[2]
     from minisgl import env as switches
+    from minisgl.extensions.peer_memory import FUSED_ALL_REDUCE_NORM, GEMV_PUSH
 
-    on = {switches.FUSED_ALL_REDUCE_NORM: fused_norm == "1", switches.GEMV_PUSH: gemv_push == "1"}
-    env = switches.child_environ(on)
+    env = switches.child_environ(
+        {FUSED_ALL_REDUCE_NORM: fused_norm == "1", GEMV_PUSH: gemv_push == "1"}
+    )
     env["PYTHONPATH"] = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     proc = subprocess.run(
         [sys.executable, "-c", _PEER_RUN, str(models["target"])],

@@ -1,6 +1,7 @@
-"""The fused TP all-reduce + residual add + RMSNorm kernel (kernels/all_reduce_norm.py),
-checked as one rank of a simulated group: the peers' rows are put in this rank's buffer
-before the call, as the peers' own calls would have, so the kernel's wait ends at once.
+"""The fused TP all-reduce + residual add + RMSNorm kernel of the peer-memory extension
+(minisgl/extensions/peer_memory/kernels/all_reduce_norm.py), checked as one rank of a
+simulated group: the peers' rows are put in this rank's buffer before the call, as the
+peers' own calls would have, so the kernel's wait ends at once.
 
 Checked against the unfused path, the rank-ordered sum followed by ``fused_add_rms_norm``
 (bit-equal where the device's casts round like torch's; see test_fused_ops.py on the
@@ -8,10 +9,11 @@ interpreter's bfloat16 casts), plus the protocol's state: the partial sum lands 
 peer's buffer, in the slot of the call's parity and this rank; the slots this rank read are
 back to the sentinel; nothing past the rows is touched; the epochs advance by one per call.
 Two consecutive calls use both parities. A partial that is the sentinel's bit pattern goes
-out as the canonical NaN. With ``gemv_k``, this rank's partial sum comes from the batch-1 GEMV
-that pushes it to the peers itself (kernels/gemv.py's ``lamport``), and the kernel only polls
-(``pushed=True``): the same state must result. The cross-GPU run (real peers through NVLink, CUDA graphs) is
-tests/gpu/test_spec_and_tp_gpu.py's TP=2 tests.
+out as the canonical NaN. With ``gemv_k``, this rank's partial sum comes from the batch-1
+GEMV that pushes it to the peers itself (the extension's kernels/pushing_gemv.py), and the
+kernel only polls (``pushed=True``): the same state must result, and the pushed rows must
+be the core GEMV's (kernels/gemv.py) bits. The cross-GPU run (real peers through NVLink,
+CUDA graphs) is tests/gpu/test_spec_and_tp_gpu.py's TP=2 tests.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ def _run_group(
     device: torch.device, dtype: torch.dtype, world: int, rank: int, rows: int, d: int, res: bool,
     sentinel_row: bool = False, gemv_k: int = 0,
 ) -> None:  # fmt: skip
-    from minisgl.kernels.all_reduce_norm import LamportPush, all_reduce_add_rms_norm, programs
+    from minisgl.extensions.peer_memory.kernels.all_reduce_norm import (
+        LamportPush,
+        all_reduce_add_rms_norm,
+        programs,
+    )
+    from minisgl.extensions.peer_memory.kernels.pushing_gemv import pushing_gemv
     from minisgl.kernels.gemv import gemv
     from minisgl.kernels.norm import fused_add_rms_norm, rms_norm, row_tile
 
@@ -78,8 +85,8 @@ def _run_group(
         x = parts[rank]
         if gemv_k:
             lamport = LamportPush(bufs[rank], buf_ptrs, epochs, slot, rank, row_tile(d)[0])
-            x = gemv(x_in, w_in, tiles=tiles, lamport=lamport)
-            assert torch.equal(x, parts[rank])
+            x = pushing_gemv(x_in, w_in, tiles, lamport)
+            assert torch.equal(x, parts[rank]), "the pushing GEMV's rows are the GEMV's"
             assert epochs[:n_prog].eq(epoch - 1).all(), "the GEMV only reads the epochs"
         out, res_out = all_reduce_add_rms_norm(
             x, residual, weight, EPS, bufs[rank], buf_ptrs, epochs, slot, rank, pushed=gemv_k > 0

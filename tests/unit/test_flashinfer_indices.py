@@ -1,7 +1,8 @@
-"""The FlashInfer backend's batch description (runs without flashinfer): the paged-KV
-indices gathered on the device equal a row-by-row walk of the page table; asking for the
-backend without the package (or off CUDA) is a clear error. The kernels themselves are
-checked on the GPU (tests/gpu/test_flashinfer_gpu.py)."""
+"""The FlashInfer extension (minisgl/extensions/flashinfer; runs without flashinfer): the
+paged-KV indices gathered on the device equal a row-by-row walk of the page table; asking
+for the backend without the package (or off CUDA) is a clear error, and so is an fp8 KV
+cache with it. The kernels themselves are checked on the GPU
+(tests/gpu/test_flashinfer_gpu.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from minisgl import LLM
 from minisgl.attention.base import BatchLayout
-from minisgl.attention.flashinfer_backend import paged_indices
+from minisgl.attention.registry import backend_names
+from minisgl.config import EngineConfig
+from minisgl.extensions.flashinfer.backend import paged_indices
 
 
 def test_paged_indices_walk_the_page_table() -> None:
@@ -39,13 +42,24 @@ def test_flashinfer_without_the_package_is_a_clear_error(tiny_models: dict[str, 
         LLM(str(tiny_models["qwen3"]), attention_backend="flashinfer")
 
 
+def test_registered_by_name() -> None:
+    assert backend_names()[:2] == ["torch", "triton"] and "flashinfer" in backend_names()
+
+
+def test_flashinfer_refuses_fp8_at_startup() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*flashinfer"):
+        EngineConfig.from_kwargs(kv_cache_dtype="fp8", attention_backend="flashinfer")
+    EngineConfig.from_kwargs(kv_cache_dtype="auto", attention_backend="flashinfer")  # fine
+    EngineConfig.from_kwargs(kv_cache_dtype="fp8", attention_backend="triton")  # fine
+
+
 def test_plan_waits_for_the_previous_plans_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Upstream #103: plan() reuses a pinned host buffer whose copy to the device may still be
     queued (overlap scheduling plans batch N+1 before batch N runs). Each wrapper's plan must
     wait for the event recorded after its previous plan; decode and prefill wrappers have
     buffers of their own, so one never waits on the other's. (Fakes stand in for flashinfer
     and CUDA events, so this runs on CPU.)"""
-    from minisgl.attention import flashinfer_backend as fb
+    from minisgl.extensions.flashinfer import backend as fb
     from minisgl.kvcache.pool import KVPool
 
     log: list[str] = []

@@ -102,12 +102,6 @@ def test_bad_kv_cache_dtype_names_the_option(bad: str, llama: Path) -> None:
         LLM(str(llama), kv_cache_dtype=bad)
 
 
-def test_flashinfer_refuses_fp8_at_startup() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8'.*flashinfer"):
-        EngineConfig(kv_cache_dtype="fp8", attention_backend="flashinfer")
-    EngineConfig(kv_cache_dtype="auto", attention_backend="flashinfer")  # still fine
-
-
 def test_cli_flag(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(["--kv-cache-dtype", "fp8_e5m2"])
     assert engine_config(args).kv_cache_dtype == "fp8_e5m2"

@@ -1,5 +1,5 @@
-"""4-bit GPTQ/AWQ checkpoints (layers/quantized.py) on CPU: unpacking equals a per-element
-reading of the published formats; our engine on a quantized checkpoint gives Hugging Face's
+"""4-bit GPTQ/AWQ checkpoints (minisgl/extensions/quantization) on CPU: unpacking equals a
+per-element reading of the published formats; our engine on a quantized checkpoint gives Hugging Face's
 greedy tokens on the dequantized float twin (tests/int4_checkpoints.py writes both), at
 TP=1 and TP=2; unsupported settings fail at load with the field named."""
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from minisgl.layers import quantized as q
+from minisgl.extensions.quantization import INT4_GEMV
+from minisgl.extensions.quantization import int4 as q
+from minisgl.layers.quantization import parse_quant_config, quant_method_names
 from tests.conftest import assert_engine_clean
 from tests.helpers import hf_greedy, make_tiny_model
 from tests.int4_checkpoints import AWQ_PACK_ORDER, write_quantized
@@ -42,7 +44,7 @@ def test_unpack_gptq_matches_per_element_reading() -> None:
         for kk in range(k):
             assert codes[nn_, kk] == _nibble(int(qweight[kk // 8, nn_]), kk % 8)
     qzeros = _words(3, 2, 1)  # 3 groups, N = 16
-    zeros = q.unpack_qzeros(qzeros, q.QuantConfig("gptq", 8, zero_offset=1))  # [N, groups]
+    zeros = q.unpack_qzeros(qzeros, q.Int4Method("gptq", 8, zero_offset=1))  # [N, groups]
     for nn_ in range(16):
         for gg in range(3):
             assert zeros[nn_, gg] == _nibble(int(qzeros[gg, nn_ // 8]), nn_ % 8) + 1
@@ -58,7 +60,7 @@ def test_unpack_awq_matches_per_element_reading() -> None:
         for kk in range(k):
             assert codes[nn_, kk] == _nibble(int(qweight[kk, nn_ // 8]), nib)
     qzeros = _words(2, 2, 3)
-    zeros = q.unpack_qzeros(qzeros, q.QuantConfig("awq", 8))
+    zeros = q.unpack_qzeros(qzeros, q.Int4Method("awq", 8))
     for nn_ in range(16):
         for gg in range(2):
             want = _nibble(int(qzeros[gg, nn_ // 8]), AWQ_PACK_ORDER.index(nn_ % 8))
@@ -178,17 +180,44 @@ def test_act_order_g_idx_is_refused(tmp_path: Path) -> None:
         LLM(str(qpath))
 
 
+def test_registered_for_gptq_and_awq() -> None:
+    assert {"gptq", "awq"} <= set(quant_method_names())
+    method = parse_quant_config({"quant_method": "GPTQ", "bits": 4, "group_size": 32})
+    assert method == q.Int4Method("gptq", 32, zero_offset=1) and method.name == "gptq"
+    assert parse_quant_config(None) is None and parse_quant_config({}) is None
+    with pytest.raises(ValueError, match=r"quant_method='fp4' is not supported \(methods: "):
+        parse_quant_config({"quant_method": "fp4"})
+
+
+def test_moe_checkpoint_is_refused() -> None:
+    from minisgl.models.config import ModelConfig
+
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_attention_heads": 4,
+        "hidden_size": 64,
+        "vocab_size": 128,
+        "num_hidden_layers": 1,
+        "num_experts": 4,
+        "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 32},
+    }
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported for mixture"):
+        ModelConfig.from_dict(cfg)
+
+
 def test_int4_forward_routes_rows_to_gemv_or_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     """int4_forward (reached only by CUDA layers; here with the kernels replaced by
-    recorders): 1-4 rows take the GEMV, more the GEMM; MINISGL_INT4_GEMV=0 (INT4_GEMV
-    False) keeps the GEMM for every row count."""
+    recorders): 1-4 rows take the GEMV, more the GEMM; MINISGL_INT4_GEMV=0 keeps the GEMM
+    for every row count."""
     pytest.importorskip("triton")
-    from types import SimpleNamespace
-
-    from minisgl.kernels import int4_gemm, int4_gemv
+    from minisgl.extensions.quantization.kernels import int4_gemm, int4_gemv
 
     assert q.INT4_GEMV_MAX_ROWS == int4_gemv.MAX_ROWS
     calls: list[str] = []
+    layer = torch.nn.Module()
+    layer.register_buffer("qweight", torch.zeros(8, 16, dtype=torch.int32))  # K = 64
+    layer.register_buffer("qzeros", torch.zeros(2, 16, dtype=torch.uint8))  # groups of 32
+    layer.register_buffer("scales", torch.zeros(2, 16))
 
     def recorder(name: str):  # type: ignore[no-untyped-def]
         def kernel(x, qweight, scales, zeros, group, bias):  # type: ignore[no-untyped-def]
@@ -200,26 +229,23 @@ def test_int4_forward_routes_rows_to_gemv_or_gemm(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(int4_gemv, "int4_gemv", recorder("gemv"))
     monkeypatch.setattr(int4_gemm, "int4_gemm", recorder("gemm"))
-    layer = SimpleNamespace(
-        qweight=torch.zeros(1), scales=torch.zeros(1), qzeros=torch.zeros(1), int4_group=32
-    )
     for enabled, want in ((True, ["gemv"] * 4 + ["gemm"] * 3), (False, ["gemm"] * 7)):
-        monkeypatch.setattr(q, "INT4_GEMV", enabled)
         calls.clear()
-        for rows in (1, 2, 3, 4, 5, 16, 300):
-            q.int4_forward(layer, torch.zeros(rows, 8), None)
+        with env.override({INT4_GEMV: enabled}):
+            for rows in (1, 2, 3, 4, 5, 16, 300):
+                q.Int4Method("gptq", 32).apply(layer, torch.zeros(rows, 64), None)
         assert calls == want
     assert not q.use_int4_gemv(0, True) and q.use_int4_gemv(4, True)
     assert not q.use_int4_gemv(1, False) and not q.use_int4_gemv(5, True)
 
 
-def test_int4_gemv_env_switch_read_at_import() -> None:
+def test_int4_gemv_env_switch() -> None:
     import subprocess
     import sys
 
-    code = "from minisgl.layers import quantized as q; print(q.INT4_GEMV)"
+    code = "from minisgl.extensions.quantization import INT4_GEMV; print(INT4_GEMV.get())"
     for value, want in (("0", "False"), ("off", "False"), ("1", "True")):
-        child = env.child_environ({env.INT4_GEMV: value})
+        child = env.child_environ({INT4_GEMV: value})
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(
             [sys.executable, "-c", code], env=child, capture_output=True, text=True, cwd=root

@@ -1,9 +1,9 @@
-"""The int4 GEMM Triton kernel (kernels/int4_gemm.py) against a plain torch dequantize-then-
-matmul: 1-16 rows and prefill-sized ones, several group sizes, odd N, bias, fp32/bf16/fp16;
-and the batch-1 int4 GEMV (kernels/int4_gemv.py, 1-4 rows) against the same reference and
-against the GEMM, in each of its ways of reading scales and zeros. Run under Triton's
-interpreter on CPU (one child process, see tests/kernel_checks.py) and natively on CUDA under
-the ``gpu`` marker."""
+"""The int4 GEMM Triton kernel (extensions/quantization/kernels/int4_gemm.py) against a
+plain torch dequantize-then-matmul: 1-16 rows and prefill-sized ones, several group sizes,
+odd N, bias, fp32/bf16/fp16; and the batch-1 int4 GEMV (kernels/int4_gemv.py beside it, 1-4
+rows) against the same reference and against the GEMM, in each of its ways of reading
+scales and zeros. Run under Triton's interpreter on CPU (one child process, see
+tests/kernel_checks.py) and natively on CUDA under the ``gpu`` marker."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _weights(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Canonical-layout weights (qweight [K/8, N], scales, zeros [K/G, N]) and the float32
     W [N, K] they stand for, computed element by element from the codes, not the packing."""
-    from minisgl.layers.quantized import pack_canonical
+    from minisgl.extensions.quantization.int4 import pack_canonical
 
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
@@ -40,7 +40,7 @@ def _case(
     rows: int, n: int, k: int, group: int, dtype: torch.dtype, bias: bool, dev: torch.device,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> None:  # fmt: skip
-    from minisgl.kernels.int4_gemm import int4_gemm
+    from minisgl.extensions.quantization.kernels.int4_gemm import int4_gemm
 
     qw, scales, zeros, w = _weights(n, k, group, rows * 7 + n + k + group)
     g = torch.Generator().manual_seed(n)
@@ -86,7 +86,7 @@ def check_int4_prefill_tiles(device: torch.device) -> None:
 
 
 def check_int4_strided_rows_and_empty(device: torch.device) -> None:
-    from minisgl.kernels.int4_gemm import int4_gemm
+    from minisgl.extensions.quantization.kernels.int4_gemm import int4_gemm
 
     qw, scales, zeros, w = _weights(24, 128, 32, 3)
     big = torch.randn(4, 256, generator=torch.Generator().manual_seed(1))
@@ -114,8 +114,8 @@ def _gemv_case(
     """The GEMV against float64 products of the weights rounded to ``dtype`` (as both
     kernels round them), and against the GEMM on the same inputs. ``stride``: x's rows are
     a slice of [rows, k + stride]."""
-    from minisgl.kernels.int4_gemm import int4_gemm
-    from minisgl.kernels.int4_gemv import int4_gemv
+    from minisgl.extensions.quantization.kernels.int4_gemm import int4_gemm
+    from minisgl.extensions.quantization.kernels.int4_gemv import int4_gemv
 
     qw, scales, zeros, w = _weights(n, k, group, rows * 5 + n + k + group)
     g = torch.Generator().manual_seed(k + rows)
@@ -144,7 +144,7 @@ def check_int4_gemv_group_sizes(device: torch.device) -> None:
     K step, odd N and K off the step: group 8, 32 and 128 (a step of whole groups), 1024 (a
     step inside one group), K itself (-1: one group), 24 (per word: neither divides the
     other)."""
-    from minisgl.kernels import int4_gemv as m
+    from minisgl.extensions.quantization.kernels import int4_gemv as m
 
     cases = [(8, 1040, m.PER_GROUP), (32, 544, m.PER_GROUP), (128, 640, m.PER_GROUP),
              (1024, 2048, m.PER_TILE), (200, 200, m.ONE_GROUP), (1032, 1032, m.ONE_GROUP),
@@ -175,7 +175,7 @@ def check_int4_gemv_explicit_tiles(device: torch.device) -> None:
 
 
 def check_int4_gemv_strided_rows_and_empty(device: torch.device) -> None:
-    from minisgl.kernels.int4_gemv import int4_gemv
+    from minisgl.extensions.quantization.kernels.int4_gemv import int4_gemv
 
     _gemv_case(4, 24, 128, 32, torch.float32, True, device, stride=128)
     _gemv_case(2, 24, 256, 64, torch.bfloat16, False, device, stride=8)

@@ -194,7 +194,10 @@ def test_every_config_field_is_a_flag() -> None:
 
 
 def test_defaults_match_the_config() -> None:
-    assert engine_config(build_parser().parse_args([])) == EngineConfig()
+    # from_kwargs: the core's defaults and every loaded extension's option group's.
+    defaults = EngineConfig.from_kwargs()
+    assert engine_config(build_parser().parse_args([])) == defaults
+    assert dataclasses.replace(defaults, extensions=()) == EngineConfig()
 
 
 def test_flags_reach_the_config() -> None:

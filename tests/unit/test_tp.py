@@ -407,17 +407,46 @@ def _alive(proc: Any) -> None:
 def _peer_setup_follower(config: EngineConfig, out: Any) -> None:
     import torch
 
-    from minisgl.distributed import TPInfo, peer_all_reduce
+    from minisgl.distributed import TPInfo
     from minisgl.distributed.group import destroy_tp_group, init_tp_group
+    from minisgl.distributed.reducer import active_reducer, register_reducer, setup_reducer
+    from minisgl.extension_loader import load_extensions
 
+    load_extensions()  # the same factories, in the same order, as rank 0's
+    register_reducer(_rank0_only_reducer)
     init_tp_group(config, TPInfo(1, 2), torch.device("cpu"))
     seen: list[object] = []
     for _ in range(2):
-        peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
-        seen.append(peer_all_reduce.active() is not None)
+        seen.append(_open_peer_reducer())
         seen.append(_marker_sum(1))
+    setup_reducer(config, torch.device("cpu"))
+    seen += [active_reducer() is not None, _marker_sum(1)]
+    register_reducer(_rank0_only_reducer)  # one provider more than rank 0 has
+    try:
+        setup_reducer(config, torch.device("cpu"))
+    except RuntimeError as e:
+        seen.append("same minisgl extensions" in str(e))
+    seen.append(_marker_sum(1))
     out.put(seen)
     destroy_tp_group()
+
+
+def _open_peer_reducer() -> bool:
+    """What setup_reducer does with the peer-memory extension's reducer (whose factory
+    declines on the CPU before any collective): open it, then agree on the result."""
+    import torch
+
+    from minisgl.distributed.reducer import all_ranks_agree
+    from minisgl.extensions.peer_memory.peer_all_reduce import open_reducer
+
+    cpu = torch.device("cpu")
+    return all_ranks_agree(open_reducer(cpu, (torch.float32,)) is not None, cpu)
+
+
+def _rank0_only_reducer(config: EngineConfig, device: Any) -> Any:
+    import torch.distributed as dist
+
+    return object() if dist.get_rank() == 0 else None
 
 
 def _marker_sum(rank: int) -> int:
@@ -431,27 +460,36 @@ def _marker_sum(rank: int) -> int:
     return int(t.item())
 
 
-def test_peer_all_reduce_setup_is_agreed_by_every_rank() -> None:
-    """The ranks take the peer-memory all-reduce together or not at all (one rank in the
-    other kernel would wait for ever): rank 0 having used it before in its process (rank 1
-    is fresh), then a buffer that cannot be made (CPU): both times every rank keeps the
-    process group's all-reduce, and nobody hangs."""
+def test_reducer_setup_is_agreed_by_every_rank() -> None:
+    """The ranks take a reducer (distributed/reducer.py) together or not at all (one rank in
+    another kernel would wait for ever). The peer-memory one: rank 0 having used it before
+    in its process (rank 1 is fresh), then a buffer that cannot be made (CPU); then a
+    reducer that one rank gets and the other not: every time every rank keeps the process
+    group's all-reduce, and nobody hangs. Ranks with different providers registered fail
+    with a clear error instead of pairing each other's setup collectives."""
     import torch
 
-    from minisgl.distributed import peer_all_reduce
+    from minisgl.distributed import reducer
+    from minisgl.extensions.peer_memory import peer_all_reduce
 
-    with _rank0_with_follower(_peer_setup_follower, rank_sync=False) as (_, out, proc, _cfg):
-        try:
+    reducer.register_reducer(_rank0_only_reducer)
+    try:
+        with _rank0_with_follower(_peer_setup_follower, rank_sync=False) as (_, out, proc, cfg):
             peer_all_reduce._used_in_process = True  # a TP run of this process used it
-            peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
-            assert peer_all_reduce.active() is None
+            assert not _open_peer_reducer()
             assert _marker_sum(0) == 24
             peer_all_reduce._used_in_process = False
-            peer_all_reduce.setup(torch.device("cpu"), (torch.float32,))
-            assert peer_all_reduce.active() is None  # no symmetric memory on the CPU
+            assert not _open_peer_reducer()  # no symmetric memory on the CPU
             assert _marker_sum(0) == 24
-            assert out.get(timeout=120) == [False, 24, False, 24]
+            reducer.setup_reducer(cfg, torch.device("cpu"))
+            assert reducer.active_reducer() is None
+            assert _marker_sum(0) == 24
+            with pytest.raises(RuntimeError, match="same minisgl extensions"):
+                reducer.setup_reducer(cfg, torch.device("cpu"))  # rank 1 has one more
+            assert _marker_sum(0) == 24
+            assert out.get(timeout=120) == [False, 24, False, 24, False, 24, True, 24]
             proc.join(30)
             assert proc.exitcode == 0
-        finally:
-            peer_all_reduce._used_in_process = False
+    finally:
+        peer_all_reduce._used_in_process = False
+        reducer._factories.remove(_rank0_only_reducer)

@@ -30,7 +30,8 @@ triton = pytest.importorskip("triton")
 
 from minisgl.attention.base import BatchLayout  # noqa: E402
 from minisgl.attention.torch_backend import TorchBackend  # noqa: E402
-from minisgl.attention.triton_backend import TritonBackend, plan_decode_splits  # noqa: E402
+from minisgl.attention.triton_backend import TritonBackend  # noqa: E402
+from minisgl.attention.triton_plan import plan_decode_splits  # noqa: E402
 from minisgl.kernels import attention as attention_kernels  # noqa: E402
 from minisgl.kernels.store import store_kv  # noqa: E402
 from minisgl.kvcache.pool import KVPool  # noqa: E402
@@ -392,7 +393,7 @@ def test_split_plans_do_not_change_when_a_graph_pads_the_batch() -> None:
     off: decode batches are planned as their padded size, and a mixed batch's one-token
     rows each from their own length."""
     from minisgl.attention.base import padded_batch_size
-    from minisgl.attention.triton_backend import ExtendGraphShape
+    from minisgl.attention.triton_plan import ExtendGraphShape
 
     CPU = torch.device("cpu")
     gen = torch.Generator().manual_seed(0)

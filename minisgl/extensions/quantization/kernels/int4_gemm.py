@@ -1,6 +1,6 @@
 """y = x W^T (+ b) with W stored as 4-bit codes: dequantized tile by tile inside the GEMM.
 
-Layout (layers/quantized.py converts GPTQ and AWQ checkpoints to it at load time):
+Layout (extensions/quantization/int4.py converts GPTQ and AWQ checkpoints to it at load time):
 ``qweight`` int32 [K/8, N], nibble j of word (r, n) = code of W[n, 8r + j]; ``scales``
 float32 and ``zeros`` uint8 [K/G, N]; W[n, k] = (code - zeros[k // G, n]) * scales[k // G, n].
 

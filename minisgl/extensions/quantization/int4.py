@@ -21,18 +21,20 @@ tests and small models, so it dequantizes once and runs the float path); on CUDA
 canonical packed layout of kernels/int4_gemm.py, int32 [K/8, N] (GPTQ's order, whatever
 the checkpoint's) with float32 scales and uint8 zeros [K/G, N], dequantized tile by tile
 inside the GEMM (kernels/int4_gemv.py for 1-4 rows, unless MINISGL_INT4_GEMV=0).
+
+`Int4Method` is the method (layers/quantization.py's interface) for both formats.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-import minisgl.env as env
+from minisgl.extensions.quantization.switches import INT4_GEMV
+from minisgl.layers.quantization import ShardFn
 
 # Column j of each group of 8 sits at nibble AWQ_NIBBLE[j] (inverse of the packing order).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -40,8 +42,10 @@ AWQ_NIBBLE = tuple(AWQ_ORDER.index(j) for j in range(8))  # (0, 4, 1, 5, 2, 6, 3
 
 
 @dataclass(frozen=True)
-class QuantConfig:
-    method: str  # "gptq" or "awq"
+class Int4Method:
+    """4-bit GPTQ or AWQ weights (a layers/quantization.py QuantMethod)."""
+
+    name: str  # the checkpoint's quant_method: "gptq" or "awq"
     group_size: int  # -1: one group over the whole input
     zero_offset: int = 0  # added to stored zeros (GPTQ v1: 1)
 
@@ -49,21 +53,31 @@ class QuantConfig:
         """Group size for a layer of ``in_features`` (full, unsharded) inputs."""
         return in_features if self.group_size <= 0 else self.group_size
 
+    def create_weights(
+        self, layer: nn.Module, out_features: int, in_local: int, in_full: int, load_shard: ShardFn
+    ) -> None:
+        add_int4_params(layer, out_features, in_local, in_full, self, load_shard)
 
-def parse_quant_config(d: dict[str, Any] | None) -> QuantConfig | None:
-    """The ``quantization_config`` of a Hugging Face config.json, or None if unquantized.
-    Raises ValueError naming the field of any setting this engine does not run."""
-    if not d:
-        return None
+    def finish_loading(self, layer: nn.Module, dtype: torch.dtype) -> bool:
+        return finish_int4(layer, dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int4_forward(layer, x, bias)
+
+
+def _int(value: object) -> int:
+    """A number of the config (JSON: int, float or str); 0 for anything else."""
+    return int(value) if isinstance(value, (int, float, str)) else 0
+
+
+def parse_int4(d: Mapping[str, object]) -> Int4Method:
+    """The method of a GPTQ or AWQ ``quantization_config``. Raises ValueError naming the
+    field of any setting this engine does not run."""
     method = str(d.get("quant_method", "")).lower()
-    if method not in ("gptq", "awq"):
-        raise ValueError(
-            f"quantization_config.quant_method={method!r} is not supported (gptq or awq)"
-        )
-    bits = int(d.get("bits", d.get("w_bit", 0)) or 0)
+    bits = _int(d.get("bits", d.get("w_bit")) or 0)
     if bits != 4:
         raise ValueError(f"quantization_config.bits={bits} is not supported (4-bit only)")
-    group = int(d.get("group_size", d.get("q_group_size", -1)) or -1)
+    group = _int(d.get("group_size", d.get("q_group_size")) or -1)
     if group != -1 and (group <= 0 or group % 8):
         raise ValueError(f"quantization_config.group_size={group} is not supported")
     if method == "awq":
@@ -72,12 +86,12 @@ def parse_quant_config(d: dict[str, Any] | None) -> QuantConfig | None:
             raise ValueError(f"quantization_config.version={version!r} is not supported (gemm)")
         if not d.get("zero_point", True):
             raise ValueError("quantization_config.zero_point=false is not supported")
-        return QuantConfig("awq", group)
+        return Int4Method("awq", group)
     fmt = str(d.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"quantization_config.checkpoint_format={fmt!r} is not supported")
     # desc_act (act-order) is refused at load, where g_idx shows whether it reorders groups.
-    return QuantConfig("gptq", group, zero_offset=1 if fmt == "gptq" else 0)
+    return Int4Method("gptq", group, zero_offset=1 if fmt == "gptq" else 0)
 
 
 # ------------------------------------------------------------------ unpacking (load time)
@@ -107,10 +121,10 @@ def unpack_qweight(packed: torch.Tensor, method: str) -> torch.Tensor:
     return kn.t().contiguous().to(torch.uint8)
 
 
-def unpack_qzeros(packed: torch.Tensor, quant: QuantConfig) -> torch.Tensor:
+def unpack_qzeros(packed: torch.Tensor, quant: Int4Method) -> torch.Tensor:
     """A checkpoint's qzeros [K/G, N/8] -> zero points uint8 [N, K/G] (offset applied; a
     GPTQ v1 zero of 15 reads 16, as in AutoGPTQ's own dequantization)."""
-    z = unpack_along_n(packed, quant.method) + quant.zero_offset
+    z = unpack_along_n(packed, quant.name) + quant.zero_offset
     return z.t().contiguous().to(torch.uint8)
 
 
@@ -134,13 +148,14 @@ def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -
 
 
 # ------------------------------------------------------------------ the layer's parameters
-ShardFn = Callable[[nn.Parameter, torch.Tensor, int], None]
-
-
 def add_int4_params(
-    layer: nn.Module, out_features: int, in_local: int, in_full: int, quant: QuantConfig,
+    layer: nn.Module,
+    out_features: int,
+    in_local: int,
+    in_full: int,
+    quant: Int4Method,
     load_shard: ShardFn,
-) -> None:  # fmt: skip
+) -> None:
     """Register the load-time parameters (N-major, see the module docstring) on ``layer``,
     each with a weight_loader that unpacks the checkpoint tensor and hands it to the layer's
     ``load_shard`` (which narrows N or K exactly as for a float weight)."""
@@ -161,7 +176,7 @@ def add_int4_params(
     scales = nn.Parameter(empty(out_features, n_groups, dtype=torch.float32), requires_grad=False)
     g_idx = nn.Parameter(empty(0, dtype=torch.int32), requires_grad=False)
     converters: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "qweight": lambda t: unpack_qweight(t, quant.method),
+        "qweight": lambda t: unpack_qweight(t, quant.name),
         "qzeros": lambda t: unpack_qzeros(t, quant),
         "scales": lambda t: t.to(torch.float32).t(),
     }
@@ -170,13 +185,16 @@ def add_int4_params(
         convert = converters[name]
 
         def loader(
-            param: nn.Parameter, loaded: torch.Tensor, shard: int = 0, convert: Any = convert
+            param: nn.Parameter,
+            loaded: torch.Tensor,
+            shard: int = 0,
+            convert: Callable[[torch.Tensor], torch.Tensor] = convert,
         ) -> None:
             load_shard(param, convert(loaded), shard)
 
         p.weight_loader = loader  # type: ignore[attr-defined]
         p.raw_checkpoint = True  # type: ignore[attr-defined]  # loader casts, not load_weights
-    if quant.method == "gptq":
+    if quant.name == "gptq":
         layer.register_parameter("g_idx", g_idx)
         g_idx.weight_loader = lambda _p, t, _s=0: check_g_idx(t, group)  # type: ignore[attr-defined]
         g_idx.raw_checkpoint = True  # type: ignore[attr-defined]
@@ -194,43 +212,45 @@ def check_g_idx(g_idx: torch.Tensor, group: int) -> None:
         )
 
 
-def finish_int4(layer: Any, dtype: torch.dtype) -> None:
-    """``layer``: a linear layer of layers/linear.py (Any: its tensors are set dynamically).
-    After loading: CPU -> a float ``weight`` in ``dtype`` (the float path runs); CUDA ->
-    the kernel's packed buffers (``layer.int4_group`` set, which routes forward to it)."""
-    codes, zeros, scales = layer.qweight.data, layer.qzeros.data, layer.scales.data
+def finish_int4(layer: nn.Module, dtype: torch.dtype) -> bool:
+    """After loading: CPU -> a float ``weight`` in ``dtype`` (False: the float path runs);
+    CUDA -> the kernel's packed buffers (True: `int4_forward` computes the layer)."""
+    codes, zeros, scales = (layer.get_parameter(n).data for n in ("qweight", "qzeros", "scales"))
     for name in ("qweight", "qzeros", "scales", "g_idx"):
         if name in layer._parameters:
             delattr(layer, name)
     if codes.device.type != "cuda":
         w = dequantize(codes, zeros, scales).to(dtype)
-        layer.weight = nn.Parameter(w, requires_grad=False)
-        return
+        layer.register_parameter("weight", nn.Parameter(w, requires_grad=False))
+        return False
     # Buffers, not parameters: nothing loads into them, and pack_model skips them.
     layer.register_buffer("qweight", pack_canonical(codes), persistent=False)
     layer.register_buffer("qzeros", zeros.t().contiguous(), persistent=False)
     layer.register_buffer("scales", scales.t().contiguous(), persistent=False)
-    layer.int4_group = codes.shape[1] // zeros.shape[1]
+    return True
 
 
-# MINISGL_INT4_GEMV=0: the int4 GEMM for every row count (no batch-1 GEMV).
-INT4_GEMV = env.INT4_GEMV.get()
 INT4_GEMV_MAX_ROWS = 4  # kernels/int4_gemv.py's MAX_ROWS (not imported: CPU needs no triton)
 
 
 def use_int4_gemv(rows: int, enabled: bool | None = None) -> bool:
     """Whether a product of ``rows`` rows runs the batch-1 GEMV rather than the GEMM
-    (``enabled``: MINISGL_INT4_GEMV unless given). Only CUDA layers reach int4_forward."""
-    on = INT4_GEMV if enabled is None else enabled
+    (``enabled``: the INT4_GEMV switch unless given). Only CUDA layers reach int4_forward."""
+    on = INT4_GEMV.get() if enabled is None else enabled
     return on and 0 < rows <= INT4_GEMV_MAX_ROWS
 
 
-def int4_forward(layer: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    args = (x, layer.qweight, layer.scales, layer.qzeros, layer.int4_group, bias)
+def int4_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) on the buffers `finish_int4` left (qweight [K/8, N], zeros [K/G, N])."""
+    # The module's own dict (nn.Module attribute lookup and get_buffer cost microseconds a
+    # call, per layer of every eager step).
+    qweight, scales, zeros = (layer._buffers[n] for n in ("qweight", "scales", "qzeros"))
+    assert qweight is not None and scales is not None and zeros is not None
+    group = qweight.shape[0] * 8 // zeros.shape[0]
     if use_int4_gemv(x.shape[0]):
-        from minisgl.kernels import int4_gemv
+        from minisgl.extensions.quantization.kernels import int4_gemv
 
-        return int4_gemv.int4_gemv(*args)
-    from minisgl.kernels import int4_gemm
+        return int4_gemv.int4_gemv(x, qweight, scales, zeros, group, bias)
+    from minisgl.extensions.quantization.kernels import int4_gemm
 
-    return int4_gemm.int4_gemm(*args)
+    return int4_gemm.int4_gemm(x, qweight, scales, zeros, group, bias)

@@ -30,7 +30,7 @@ call e had read slot s and reset it (stream order), so nothing unread is overwri
 every reset lands before the next write.
 
 The push may also come earlier, from the batch-1 GEMV that computes the partial sum
-(kernels/gemv.py with a ``LamportPush``): each GEMV program stores its own output columns
+(pushing_gemv.py, given a ``LamportPush``): each GEMV program stores its own output columns
 into the peers' slots as soon as they are summed, so the rows travel while the GEMV's other
 programs still run, and this kernel (``pushed=True``) only reads its own rows and polls.
 The GEMV reads the epoch the call will use (the counter + 1) after its PDL wait, when the

@@ -10,8 +10,8 @@ reused. One kernel, a few microseconds, capturable in CUDA graphs.
 The all-reduces that feed a residual add + RMSNorm (every o_proj and down_proj) run fused
 with it instead, in one kernel of our own over buffers of the same kind
 (kernels/all_reduce_norm.py; MINISGL_FUSED_ALL_REDUCE_NORM=0 turns that off). At batch 1
-the o_proj / down_proj GEMV pushes its rows to the peers itself, and the norm kernel only
-polls (`lamport_push`; MINISGL_GEMV_PUSH=0 turns that off).
+the o_proj / down_proj GEMV pushes its rows to the peers itself (kernels/pushing_gemv.py),
+and the norm kernel only polls (`pushed_gemv`; MINISGL_GEMV_PUSH=0 turns that off).
 
 Bigger tensors (prefill) and dtypes the kernel lacks go to NCCL. Two ranks sum a + b
 either way, so the result equals NCCL's exactly. ``--disable-custom-all-reduce`` (or no
@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.env import FUSED_ALL_REDUCE_NORM, GEMV_PUSH
+from minisgl.distributed.reducer import all_ranks_agree
+from minisgl.extensions.peer_memory.options import FUSED_ALL_REDUCE_NORM, GEMV_PUSH
 
 if TYPE_CHECKING:
-    from minisgl.kernels.all_reduce_norm import LamportPush
+    from minisgl.extensions.peer_memory.kernels.all_reduce_norm import LamportPush
+    from minisgl.kernels import GemvTiles
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +53,8 @@ def _peer_addresses(t: torch.Tensor, handle: object) -> torch.Tensor:
 
 
 class PeerAllReduce:
-    """One symmetric buffer per dtype, rendezvoused once over the default process group."""
+    """One symmetric buffer per dtype, rendezvoused once over the default process group (a
+    distributed/reducer.py Reducer)."""
 
     def __init__(self, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
         import torch.distributed as dist
@@ -105,10 +108,11 @@ class PeerAllReduce:
 
     def takes_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether ``add_rms_norm`` can take these (else: all-reduce, then the norm)."""
-        from minisgl.kernels.all_reduce_norm import programs
+        from minisgl.extensions.peer_memory.kernels.all_reduce_norm import programs
 
         takes = (
             self.fuse_norm
+            and x.is_cuda
             and x.dim() == 2
             and x.dtype in _NORM_DTYPES
             and x.stride(1) == 1
@@ -131,7 +135,7 @@ class PeerAllReduce:
             return None
         if rows * n_cols * dtype.itemsize > NORM_SLOT_BYTES:
             return None
-        from minisgl.kernels.all_reduce_norm import LamportPush
+        from minisgl.extensions.peer_memory.kernels.all_reduce_norm import LamportPush
         from minisgl.kernels.norm import row_tile
 
         assert self._pushed is None, "a GEMV pushed rows that no all-reduce consumed"
@@ -139,6 +143,22 @@ class PeerAllReduce:
         slot_elems = NORM_SLOT_BYTES // dtype.itemsize
         block_m = row_tile(n_cols)[0]
         return LamportPush(own, self.norm_bufs, self.norm_epochs, slot_elems, self.rank, block_m)
+
+    def pushed_gemv(
+        self, x: torch.Tensor, weight: torch.Tensor, tiles: GemvTiles
+    ) -> torch.Tensor | None:
+        """x weight^T for one row, by the GEMV that pushes its result for the next
+        `add_rms_norm` (which then only polls); None where `lamport_push` gives no place."""
+        if not x.is_cuda or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        lamport = self.lamport_push(x.shape[0], weight.shape[0], x.dtype)
+        if lamport is None:
+            return None
+        from minisgl.extensions.peer_memory.kernels.pushing_gemv import pushing_gemv
+
+        y = pushing_gemv(x, weight, tiles, lamport)
+        self.mark_pushed(y)
+        return y
 
     def mark_pushed(self, y: torch.Tensor) -> None:
         """``y`` was pushed (`lamport_push`): the next `add_rms_norm` must be on it."""
@@ -149,7 +169,9 @@ class PeerAllReduce:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rmsnorm(s + residual) * weight, s + residual), s the sum of ``x`` over ranks."""
-        from minisgl.kernels.all_reduce_norm import all_reduce_add_rms_norm
+        from minisgl.extensions.peer_memory.kernels.all_reduce_norm import (
+            all_reduce_add_rms_norm,
+        )
 
         # Program p owns the same elements of a slot in every call only if every call has the
         # same row width and element size: a mixed width would let a peer write a region
@@ -162,52 +184,29 @@ class PeerAllReduce:
         assert not pushed or self._pushed is x, "pushed rows are not this all-reduce's"
         self._pushed = None
         slot_elems = NORM_SLOT_BYTES // x.element_size()
-        return all_reduce_add_rms_norm(
-            x, residual, weight, eps, self.norm_buf, self.norm_bufs, self.norm_epochs, slot_elems,
-            self.rank, pushed,
-        )  # fmt: skip
+        bufs = (self.norm_buf, self.norm_bufs, self.norm_epochs, slot_elems)
+        return all_reduce_add_rms_norm(x, residual, weight, eps, *bufs, self.rank, pushed)
 
 
-_active: PeerAllReduce | None = None
 # PyTorch keeps symmetric-memory state per group name, and a process's next TP run gets
 # the same name for a new group: its rendezvous then waits on the old group and hangs
 # (seen on two H200s). So one TP run per process uses it; a later one keeps NCCL.
 _used_in_process = False
 
 
-def _all_agree(flag: bool, device: torch.device) -> bool:
-    import torch.distributed as dist
-
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item()) == 1
-
-
-def setup(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
-    """Every rank calls it once after joining the group (collective), on CUDA only; unless
-    every rank can (first TP run in its process, peer access, a recent PyTorch), all ranks
-    keep NCCL: a rank in the other kernel would wait for its peer forever."""
-    global _active, _used_in_process
-    _active = None
-    if not _all_agree(not _used_in_process, device):
+def open_reducer(device: torch.device, dtypes: tuple[torch.dtype, ...]) -> PeerAllReduce | None:
+    """Every rank calls it once after joining the group (collective), on CUDA; None on every
+    rank unless all can take part (first TP run in its process) and, on this rank, the
+    buffers could be made (peer access, a recent PyTorch): setup_reducer then agrees on the
+    result, so that no rank waits in the kernel for a peer that is not in it."""
+    global _used_in_process
+    if not all_ranks_agree(not _used_in_process, device):
         logger.info("a TP run in this process used peer memory before: all-reduce via NCCL")
-        return
+        return None
     _used_in_process = True
-    comm: PeerAllReduce | None = None
     try:
         comm = PeerAllReduce(device, dtypes)
     except Exception as e:  # noqa: BLE001 - any failure means: use NCCL
         logger.warning("peer-memory all-reduce unavailable (%s); using NCCL", e)
-    if _all_agree(comm is not None, device):
-        _active = comm
-        logger.info("all-reduce of up to %d bytes through GPU peer memory", MAX_BYTES)
-
-
-def active() -> PeerAllReduce | None:
-    return _active
-
-
-def reset() -> None:
-    """Forget the buffers (their group is being destroyed)."""
-    global _active
-    _active = None
+        return None
+    return comm

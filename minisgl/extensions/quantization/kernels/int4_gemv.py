@@ -40,8 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.extensions.quantization.kernels.int4_gemm import prepare
 from minisgl.kernels import GemvTiles, cdiv
-from minisgl.kernels.int4_gemm import prepare
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4

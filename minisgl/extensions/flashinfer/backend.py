@@ -74,7 +74,8 @@ class FlashInferBackend(AttentionBackend):
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' runs on CUDA only")
         if pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            # EngineConfig refuses this first; kept for backends built by hand.
+            # The extension's configuration check refuses this first; kept for backends
+            # built by hand.
             raise ValueError(
                 "attention_backend='flashinfer' does not support an fp8 KV cache: use "
                 "--kv-cache-dtype auto, or the triton attention backend"
@@ -114,16 +115,12 @@ class FlashInferBackend(AttentionBackend):
             copied.synchronize()
         p, pool = md.indices, self.pool
         common = dict(q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=scale)
+        heads = (num_heads, pool.num_kv_heads, pool.head_dim, 1)  # 1: tokens per page
         if md.decode:
-            self._decode.plan(
-                p.kv_indptr, p.kv_indices, p.last_page_len, num_heads, pool.num_kv_heads,
-                pool.head_dim, 1, **common,
-            )  # fmt: skip
+            self._decode.plan(p.kv_indptr, p.kv_indices, p.last_page_len, *heads, **common)
         else:
-            self._prefill.plan(
-                p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len, num_heads,
-                pool.num_kv_heads, pool.head_dim, 1, causal=True, **common,
-            )  # fmt: skip
+            kv = (p.kv_indptr, p.kv_indices, p.last_page_len)
+            self._prefill.plan(p.qo_indptr, *kv, *heads, causal=True, **common)
         copied = torch.cuda.Event()
         copied.record()
         self._plan_copied[md.decode] = copied

@@ -1,0 +1,1 @@
+"""The peer-memory Triton kernels (imported on CUDA only, by the reducer)."""

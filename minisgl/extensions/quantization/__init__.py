@@ -1,0 +1,29 @@
+"""4-bit GPTQ and AWQ checkpoints (int4.py; kernels/ for CUDA), a quantization method of
+minisgl/layers/quantization.py registered for ``quant_method`` gptq and awq.
+
+Registering imports nothing heavy: the method's module (torch) is imported when a
+checkpoint asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from minisgl.extensions.quantization.switches import INT4_GEMV
+from minisgl.layers.quantization import register_quant_method
+
+if TYPE_CHECKING:
+    from minisgl.layers.quantization import QuantMethod
+
+__all__ = ["INT4_GEMV"]
+
+
+def parse(config: Mapping[str, object]) -> QuantMethod:
+    from minisgl.extensions.quantization.int4 import parse_int4
+
+    return parse_int4(config)
+
+
+register_quant_method("gptq", parse)
+register_quant_method("awq", parse)

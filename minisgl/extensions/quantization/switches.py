@@ -1,0 +1,7 @@
+"""The extension's environment switch (declared through minisgl/env.py's registry)."""
+
+from __future__ import annotations
+
+from minisgl.env import flag
+
+INT4_GEMV = flag("INT4_GEMV", True, "CUDA: 1-4-row int4 products on the int4 GEMV")

@@ -1,0 +1,98 @@
+"""Quantized checkpoints: the interface the linear layers call, and the registry of methods.
+
+A checkpoint's config.json names its method in ``quantization_config.quant_method``; the
+method registered under that name parses the rest of that dict into a `QuantMethod`
+(ValueError naming any setting it does not run), and every linear layer of the model asks
+it to:
+
+1. create the layer's load-time parameters (``create_weights``), in place of the float
+   ``weight``, each with a ``weight_loader`` that converts a checkpoint tensor and hands it
+   to the layer's shard function: tensor-parallel sharding stays the layer's
+   (layers/linear.py), whatever the method stores;
+2. finish them once the checkpoint is loaded (``finish_loading``), into what the device
+   computes with, or into a float ``weight`` (then the layer runs the float path: CPU
+   dequantizes once at load);
+3. compute the layer's product (``apply``).
+
+A float checkpoint has no method. Methods come from extensions, registered when they are
+loaded (minisgl/extensions/quantization: 4-bit GPTQ and AWQ); nothing here imports torch at
+run time, since processes that never compute (the API server) load the extensions too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+from minisgl.extension_loader import load_extensions
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class ShardFn(Protocol):
+    """A linear layer's ``load_shard``: copies this rank's part of a full checkpoint tensor
+    (``shard_id``: which of the layer's merged outputs, e.g. q, k or v) into ``param``."""
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None: ...
+
+
+class QuantMethod(Protocol):
+    """One checkpoint's quantization (frozen and shared by every layer of the model)."""
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's ``quant_method``."""
+        ...
+
+    def create_weights(
+        self, layer: nn.Module, out_features: int, in_local: int, in_full: int, load_shard: ShardFn
+    ) -> None:
+        """Register ``layer``'s load-time parameters for a product of ``in_local`` inputs
+        (this rank's; ``in_full`` over all ranks) into ``out_features`` outputs, each with a
+        ``weight_loader`` ending in ``load_shard``. ValueError where the layer's shape does
+        not suit the checkpoint's (naming the quantization_config field)."""
+        ...
+
+    def finish_loading(self, layer: nn.Module, dtype: torch.dtype) -> bool:
+        """After loading, turn the layer's parameters into what its device computes with.
+        True: `apply` computes the layer from now on; False: the layer now holds a float
+        ``weight`` in ``dtype`` and runs the float path."""
+        ...
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, in_local] -> x W^T (+ bias) [M, out_features], in x's dtype."""
+        ...
+
+
+# A method's parser: ``quantization_config`` -> the method, or ValueError naming the field.
+QuantParser = Callable[[Mapping[str, object]], QuantMethod]
+
+_parsers: dict[str, QuantParser] = {}
+
+
+def register_quant_method(name: str, parse: QuantParser) -> None:
+    """``name``: the ``quant_method`` it takes, in lower case."""
+    _parsers[name] = parse
+
+
+def quant_method_names() -> list[str]:
+    """Every registered method, extensions loaded first."""
+    load_extensions()
+    return list(_parsers)
+
+
+def parse_quant_config(config: Mapping[str, object] | None) -> QuantMethod | None:
+    """The method of a Hugging Face ``quantization_config``; None for a float checkpoint.
+    Raises ValueError naming the field of any setting this engine does not run."""
+    if not config:
+        return None
+    name = str(config.get("quant_method", "")).lower()
+    names = quant_method_names()
+    if name not in names:
+        raise ValueError(
+            f"quantization_config.quant_method={name!r} is not supported (methods: "
+            f"{', '.join(names) or 'none: no quantization extension is loaded'})"
+        )
+    return _parsers[name](config)
