@@ -148,4 +148,3 @@ PDL = flag("PDL", True, "programmatic dependent launch of Triton kernels (Hopper
 TRITON_INTERPRET = text("TRITON_INTERPRET", "Triton's CPU interpreter (tests)", external=True)
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")
-FUSED_GATE_UP = flag("FUSED_GATE_UP", False, "CUDA batch 1: SiLU-and-mul inside the gate/up GEMV")

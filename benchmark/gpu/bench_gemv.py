@@ -2,7 +2,7 @@
 linear layers of Qwen3-0.6B and Qwen3-8B, timed inside CUDA graphs (as decode runs them: a
 Triton launch costs 30-60 us of host time, more than these kernels take on the GPU).
 
-    python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--gated] [--shapes 8B]
+    python benchmark/gpu/bench_gemv.py [--rows 1 2 4] [--cold] [--shapes 8B]
         [--write-table table.json]
     python benchmark/gpu/bench_gemv.py --int4 [--int4-sweep] [--rows 1 2 4] [--shapes 8B]
     python benchmark/offline/bench_latency.py --gemv-table table.json ...
@@ -14,10 +14,6 @@ at least 3%, else null (cuBLAS): the table bench_latency.py --gemv-table loads.
 twice the H200's 60 MB L2, as a decode step does (36 layers' weights pass between two reads
 of one layer's). Without it, weights under ~50 MB stay in L2 across replays and both sides
 look faster than they run in the engine.
-
---gated: the gate/up shapes only, the GEMV with SiLU-and-mul fused in (gemv(..., gated=True))
-against cuBLAS followed by the SiLU kernel, each in one graph. A table row for a gated shape
-is written under the unfused key (its tiles serve both, as models/decoder.py uses them).
 
 --int4 [--int4-sweep]: 4-bit weights (group 128, the layout of kernels/int4_gemm.py) at the
 8B shapes (or --shapes), cold: the int4 GEMV (kernels/int4_gemv.py, default tiles) against
@@ -66,7 +62,6 @@ def graph_time_us(fn: Callable[[], object]) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=30)) * 1e3
 
 
-GATE_UP = ("0.6B gate_up", "8B gate_up", "8B-tp2 gate_up")
 L2_BYTES = 60 * 2**20
 
 
@@ -166,13 +161,11 @@ def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: b
 
 
 def main() -> None:
-    from minisgl.kernels.activation import silu_and_mul
     from minisgl.kernels.gemv import gemv, gemv_tiles
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--cold", action="store_true")
-    ap.add_argument("--gated", action="store_true")
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--write-table", default=None)
     ap.add_argument("--int4", action="store_true", help="int4 GEMV vs GEMM vs bf16 cuBLAS")
@@ -186,9 +179,7 @@ def main() -> None:
         return
     bf = torch.bfloat16
     table = []
-    shapes = {
-        k: v for k, v in SHAPES.items() if (not args.gated or k in GATE_UP) and args.shapes in k
-    }
+    shapes = {k: v for k, v in SHAPES.items() if args.shapes in k}
     for name, (n, k) in shapes.items():
         ws = weight_copies(n, k, args.cold)
         per = len(ws)
@@ -196,23 +187,16 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, k, device="cuda", dtype=bf)
             w0 = ws[0]
-            if args.gated:
-                ref = silu_and_mul(torch.nn.functional.linear(x, w0))
-                got = gemv(x, w0, None, gemv_tiles(rows), gated=True)
+            ref = torch.nn.functional.linear(x, w0)
+            got = gemv(x, w0)
 
-                def base(w: torch.Tensor, x: torch.Tensor = x) -> object:
-                    return silu_and_mul(torch.nn.functional.linear(x, w))
-            else:
-                ref = torch.nn.functional.linear(x, w0)
-                got = gemv(x, w0)
-
-                def base(w: torch.Tensor, x: torch.Tensor = x) -> object:
-                    return torch.nn.functional.linear(x, w)
+            def base(w: torch.Tensor, x: torch.Tensor = x) -> object:
+                return torch.nn.functional.linear(x, w)
 
             torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
             t_cublas = graph_time_us(rotating(base, ws)) / per
             bm = gemv_tiles(rows)[0]
-            limit = 8192 if args.gated else 16384  # the gated kernel keeps two accumulators
+            limit = 16384
             configs = [gemv_tiles(rows)] + [
                 (bm, bn, bk, wp, st)
                 for bn, bk, wp, st in itertools.product(
@@ -224,7 +208,7 @@ def main() -> None:
             for cfg in dict.fromkeys(configs):
 
                 def ours(w: torch.Tensor, c: tuple = cfg, x: torch.Tensor = x) -> object:
-                    return gemv(x, w, None, c, gated=args.gated)  # type: ignore[arg-type]
+                    return gemv(x, w, None, c)  # type: ignore[arg-type]
 
                 try:
                     t = graph_time_us(rotating(ours, ws)) / per
@@ -235,7 +219,7 @@ def main() -> None:
             results.sort()
             best_t, best_c = results[0]
             top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in results[:4])
-            what = "cuBLAS+SiLU" if args.gated else "cuBLAS"
+            what = "cuBLAS"
             print(
                 f"{name:13s} M={rows}: {what} {t_cublas:6.1f} us ({gb / t_cublas * 1e3:.2f} TB/s)"
                 f" | best {best_t:6.1f} us ({gb / best_t * 1e3:.2f}) | top {top}",

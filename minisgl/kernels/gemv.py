@@ -29,12 +29,10 @@ MAX_ROWS = 4
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # GATED: W is [gate; up], each n_cols rows; out = silu(x gate^T) * (x up^T), with the
-    # roundings of a GEMV into [gate, up] followed by kernels/activation.py (bit-equal).
-    # (The peer-memory extension's pushing GEMV repeats the ungated, unbiased arithmetic
+    # (The peer-memory extension's pushing GEMV repeats the unbiased arithmetic
     # with a push of its own: a change here must be made there too, where a test checks
     # the two bit-equal.)
     pid = tl.program_id(0)
@@ -45,31 +43,21 @@ def _gemv_kernel(
     n_mask = offs_n < n_cols
     dtype = out_ptr.dtype.element_ty
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_rows + n_cols * stride_wn
     # No kernel writes the weights: the first K tile is requested before waiting for the
     # previous kernel (programmatic dependent launch), so its memory latency overlaps that
     # kernel's tail. The first iteration is peeled off the loop for it (same arithmetic).
     # (Names of their own: a name reassigned inside the loop would become loop-carried.)
     mask0 = n_mask[:, None] & (offs_k < k_dim)[None, :]
     w0 = tl.load(w_rows + offs_k[None, :], mask=mask0, other=0.0)
-    w_up0 = w0
-    if GATED:
-        w_up0 = tl.load(up_rows + offs_k[None, :], mask=mask0, other=0.0)
     # The bias too: loaded after the final reduction it costs one more memory round trip.
     bias = tl.zeros([BLOCK_N], tl.float32)
-    bias_up = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if GATED:
-            bias_up = tl.load(b_ptr + n_cols + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     x_mask0 = m_mask[:, None] & (offs_k < k_dim)[None, :]
     x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask0, other=0.0)
     acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
-    if GATED:
-        acc_up += x0.to(tl.float32)[:, None, :] * w_up0.to(tl.float32)[None, :, :]
     for k0 in range(BLOCK_K, k_dim, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_dim
@@ -78,19 +66,9 @@ def _gemv_kernel(
         x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-        if GATED:
-            w_up = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0)
-            acc_up += x[:, None, :] * w_up.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += bias[None, :]
-    if GATED:
-        up = tl.sum(acc_up, axis=2)
-        if HAS_BIAS:
-            up += bias_up[None, :]
-        gate = y.to(dtype).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        y = act * up.to(dtype).to(tl.float32)
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(dst, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -136,14 +114,11 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
-    gated: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
-    ``gated``: weight is [gate; up] (N = 2I) and the result is silu(gate) * up, [M, I]."""
+    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
     rows, k_dim = x.shape
-    n_cols = weight.shape[0] // 2 if gated else weight.shape[0]
+    n_cols = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
-    assert not gated or weight.shape[0] % 2 == 0
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
@@ -153,7 +128,7 @@ def gemv(
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.env import CPU_ONEDNN, FUSED_GATE_UP, TRITON_GEMV
+from minisgl.env import CPU_ONEDNN, TRITON_GEMV
 from minisgl.kernels import GemvTiles
 
 
@@ -98,25 +98,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def gated_gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tiles: GemvTiles
-) -> torch.Tensor:
-    """silu(x gate^T) * (x up^T) for one row, weight = [gate; up] (see kernels/gemv.py)."""
-    return _gemv(x, weight, bias, tiles, gated=True)
-
-
-def pack_model(
-    model: nn.Module, gemv: bool | None = None, fused_gate_up: bool | None = None
-) -> None:
+def pack_model(model: nn.Module, gemv: bool | None = None) -> None:
     """Prepare every layer that computes through `linear` (after loading): CPU weights
     reordered for oneDNN; CUDA 16-bit weights given GEMV tiles where the GEMV wins
-    (``gemv``: the TRITON_GEMV switch unless given); gated MLPs (``fused_tiles``) given
-    tiles for a gate/up GEMV with SiLU fused in (``fused_gate_up``: the FUSED_GATE_UP switch
-    unless given; batch 1, bit-equal, one kernel less per layer; off until measured on the
-    H200, benchmark/RESULTS.md)."""
+    (``gemv``: the TRITON_GEMV switch unless given)."""
     global _gemv
     gemv = TRITON_GEMV.get() if gemv is None else gemv
-    fused_gate_up = FUSED_GATE_UP.get() if fused_gate_up is None else fused_gate_up
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(type(module), "cpu_packed") and isinstance(weight, torch.Tensor):
@@ -128,20 +115,3 @@ def pack_model(
                 _gemv = gemv_kernels.gemv
                 tiles = gemv_kernels.gemv_choice(1, weight.shape[0], weight.shape[1])
             setattr(module, "gemv_tiles", tiles)  # noqa: B010
-    for module in model.modules():
-        if hasattr(type(module), "fused_tiles"):
-            fused = _fused_tiles(module) if gemv and fused_gate_up else None
-            setattr(module, "fused_tiles", fused)  # noqa: B010
-
-
-def _fused_tiles(mlp: nn.Module) -> GemvTiles | None:
-    """The gated GEMV's tiles: the unfused GEMV's (then the two are bit-equal), or None where
-    cuBLAS runs the unfused product: on Qwen3-8B's gate/up (2 x 12288 x 4096) the gated GEMV
-    at the tile rule's tiles was slower than cuBLAS plus the SiLU kernel (5.30 vs 4.82
-    ms/token at batch 1 on the H200, benchmark/RESULTS.md)."""
-    from minisgl.layers.activation import silu_and_mul
-
-    if getattr(mlp, "act", None) is not silu_and_mul:
-        return None
-    tiles: GemvTiles | None = getattr(mlp.get_submodule("gate_up_proj"), "gemv_tiles", None)
-    return tiles

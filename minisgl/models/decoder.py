@@ -11,10 +11,8 @@ from torch import nn
 
 from minisgl.attention.base import ForwardBatch
 from minisgl.distributed import TPInfo
-from minisgl.kernels import GemvTiles
 from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.attention import SelfAttention
-from minisgl.layers.cpu_linear import gated_gemv
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
@@ -23,10 +21,6 @@ from minisgl.models.config import ModelConfig
 
 
 class GatedMLP(nn.Module):
-    # Batch 1 on CUDA with MINISGL_FUSED_GATE_UP=1: tiles of the gate/up GEMV with SiLU
-    # fused in (set by pack_model; None: the GEMV, or cuBLAS, then the SiLU kernel).
-    fused_tiles: GemvTiles | None = None
-
     def __init__(self, cfg: ModelConfig, intermediate: int, tp: TPInfo) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(
@@ -39,11 +33,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: down_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        gate_up = self.gate_up_proj
-        if self.fused_tiles is not None and x.shape[0] == 1:
-            h = gated_gemv(x, gate_up.weight, gate_up.bias, self.fused_tiles)
-            return self.down_proj(h, reduce)
-        return self.down_proj(self.act(gate_up(x)), reduce)
+        return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
 
 
 class DecoderLayer(nn.Module):

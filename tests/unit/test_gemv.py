@@ -69,27 +69,6 @@ def check_gemv_tile_rule(device: torch.device) -> None:
     assert gemv_choice(2, 1024, 1024) is None and gemv_choice(1, 151936, 1024) is None
 
 
-def check_gemv_gated_equals_gemv_then_silu(device: torch.device) -> None:
-    """gated=True (the MLP's gate/up GEMV with SiLU-and-mul in its epilogue) is bit-equal to
-    the GEMV into [gate, up] followed by the SiLU-and-mul kernel, at the same tiles."""
-    from minisgl.kernels.activation import silu_and_mul
-    from minisgl.kernels.gemv import gemv, gemv_tiles
-
-    g = torch.Generator().manual_seed(5)
-    cases = ((1, 96, 512, torch.bfloat16, False, None), (1, 37, 700, torch.float16, True, None),
-             (2, 50, 300, torch.bfloat16, True, None), (1, 64, 1024, torch.float32, False, None),
-             (1, 72, 2100, torch.bfloat16, False, (1, 8, 512, 4, 4)))  # fmt: skip
-    for rows, inter, k, dtype, bias, tiles in cases:
-        x = (torch.randn(rows, k, generator=g) * 2).to(dtype).to(device)
-        w = (torch.randn(2 * inter, k, generator=g) / k**0.5).to(dtype).to(device)
-        b = torch.randn(2 * inter, generator=g).to(dtype).to(device) if bias else None
-        t = tiles or gemv_tiles(rows)
-        got = gemv(x, w, b, t, gated=True)
-        ref = silu_and_mul(gemv(x, w, b, t))
-        assert got.shape == (rows, inter) and got.dtype == dtype
-        assert torch.equal(got, ref), (rows, inter, k, dtype, (got != ref).sum().item())
-
-
 CHECKS = kernel_checks.collect(globals())
 
 
