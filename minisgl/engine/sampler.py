@@ -1,10 +1,8 @@
 """Batched on-device sampling: penalties, temperature, top-k/top-p/min-p, logprobs.
 
 `Sampler.sample` never syncs with the host: host flags from `SamplingBatch.build` pick the
-work. Noise is a hash of (seed, step, vocab id), so a request's tokens depend only on its
-seed and output position, never on the rest of the batch. The exponential race (Gumbel-max)
-argmax(logit/T - log E_v), E_v ~ Exp(1), over the tokens that survive filtering draws from
-the renormalised softmax(logit/T)."""
+work. The noise is counter-based (noise.py): a request's tokens depend only on its seed and
+output position, never on the rest of the batch."""
 
 from __future__ import annotations
 
@@ -15,109 +13,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from minisgl.engine.noise import i64, race
+from minisgl.engine.penalties import PenaltyState, h2d
 from minisgl.sampling_params import SamplingParams
 
 # "top-k off": the sampler never masks a position >= the row's k, so any k >= V is off.
 TOP_K_OFF = 1 << 30
 
 
-def i64(c: int) -> int:
-    """The int64 with the same low 64 bits as `c` (torch has no full uint64 arithmetic)."""
-    c &= (1 << 64) - 1
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GAMMA = i64(0x9E3779B97F4A7C15)  # splitmix64 increment (odd, golden ratio)
-_MUL1 = i64(0xBF58476D1CE4E5B9)
-_MUL2 = i64(0x94D049BB133111EB)
-
-
-def _shr(z: Tensor, k: int) -> Tensor:
-    # torch's >> on int64 is arithmetic; masking off the smeared sign bits makes it logical.
-    return (z >> k).bitwise_and_((1 << (64 - k)) - 1)
-
-
-def _mix64_(z: Tensor) -> Tensor:
-    # In place, so a [B, V] hash needs one extra [B, V] temporary at a time, not five.
-    z.bitwise_xor_(_shr(z, 30)).mul_(_MUL1)
-    z.bitwise_xor_(_shr(z, 27)).mul_(_MUL2)
-    return z.bitwise_xor_(_shr(z, 31))
-
-
-def mix64(z: Tensor) -> Tensor:
-    """splitmix64 finaliser on int64 tensors (products wrap mod 2^64); returns a new tensor."""
-    return _mix64_(z.clone())
-
-
-def row_keys(seeds: Tensor, steps: Tensor) -> Tensor:
-    """One 64-bit stream key per row, a pure function of (seed, step)."""
-    return _mix64_(mix64(seeds).add_((steps + 1) * _GAMMA))
-
-
-def _hash32(seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
-    # Low 32 bits of splitmix64(key + (id + 1) * gamma), forced odd so that m / 2^32 > 0.
-    z = _mix64_(row_keys(seeds, steps).unsqueeze(1) + (ids.to(torch.int64) + 1) * _GAMMA)
-    return z.bitwise_and_(0xFFFFFFFF).bitwise_or_(1)
-
-
-def uniform_noise(seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
-    """u[b, j] = hash(seeds[b], steps[b], ids[b, j]) / 2^32 in (0, 1], float32; `ids` is
-    [B, N] or [N]. The 64 largest odd hashes (p = 2^-25) round to exactly 1.0."""
-    return _hash32(seeds, steps, ids).to(torch.float32).mul_(2.0**-32)
-
-
-def race(scores: Tensor, seeds: Tensor, steps: Tensor, ids: Tensor) -> Tensor:
-    """argmax_j(scores[b, j] - log E[b, j]), E = -log1p(-u) ~ Exp(1): j with probability
-    softmax(scores[b])_j; -inf (masked) entries never win, and row b depends on row b alone.
-    log1p keeps small E (the winners) exact to 2^-32; u == 1.0 gives E = inf, so that
-    token merely loses that one draw."""
-    neg_u = _hash32(seeds, steps, ids).to(torch.float32).mul_(-(2.0**-32))
-    return (scores - neg_u.log1p_().neg_().log_()).argmax(dim=-1)
-
-
-def _h2d(t: Tensor, device: torch.device | str) -> Tensor:
-    # From pageable host memory a copy syncs the CUDA stream; from pinned memory it need not.
-    if t.device.type == "cpu" and torch.device(device).type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 def _min_p_mask(x: Tensor, row_max: Tensor, min_ps: Tensor) -> Tensor:
     # p_v < min_p * p_max <=> logit_v < max_logit + log(min_p); min_p == 0 masks nothing.
     return x.masked_fill(x < row_max + torch.log(min_ps).unsqueeze(1), float("-inf"))
-
-
-class PenaltyState:
-    """Per-slot output-token counts and prompt-token masks, [max_slots, V], allocated by the
-    first `reset_slot` (`add_tokens` is a no-op before). Stale slots of requests without
-    penalties are harmless: their penalties are neutral."""
-
-    def __init__(self, max_slots: int, vocab_size: int, device: torch.device | str) -> None:
-        self.max_slots = max_slots
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self.output_counts: Tensor | None = None  # [max_slots, V] int32
-        self.prompt_mask: Tensor | None = None  # [max_slots, V] bool
-
-    def reset_slot(self, slot: int, prompt_ids: Tensor, output_ids: Tensor | None = None) -> None:
-        """Start a request in `slot`; `output_ids` restores counts after a recompute."""
-        shape, dev = (self.max_slots, self.vocab_size), self.device
-        if self.output_counts is None:
-            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=dev)
-        if self.prompt_mask is None:
-            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=dev)
-        counts, prompt = self.output_counts[slot].zero_(), self.prompt_mask[slot].zero_()
-        prompt.index_fill_(0, _h2d(prompt_ids.long(), dev), True)
-        if output_ids is not None:
-            ids = _h2d(output_ids.long(), dev)
-            counts.scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
-
-    def add_tokens(self, slots: Tensor, tokens: Tensor) -> None:
-        """counts[slots[i], tokens[i]] += 1, on device; repeated (slot, token) pairs add up."""
-        if self.output_counts is None:
-            return
-        flat = slots.to(torch.int64) * self.vocab_size + tokens.to(torch.int64)
-        self.output_counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
 
 @dataclass
@@ -161,7 +67,7 @@ class SamplingBatch:
         device: torch.device | str,
     ) -> SamplingBatch:
         """Host lists -> device tensors; steps[i] is the output index row i is sampling."""
-        steps_dev = _h2d(torch.tensor(list(steps), dtype=torch.int64), device)
+        steps_dev = h2d(torch.tensor(list(steps), dtype=torch.int64), device)
         return SamplingRows.build(params, seeds).batch(steps_dev)
 
 
@@ -230,8 +136,8 @@ class SamplingRows:
     def batch(self, steps: Tensor) -> SamplingBatch:
         """The SamplingBatch for one step; ``steps`` [B] int64 is already on the device."""
         if self._device is None or self._device[0].device != steps.device:
-            f = _h2d(torch.from_numpy(self.floats), steps.device)
-            i = _h2d(torch.from_numpy(self.ints), steps.device)
+            f = h2d(torch.from_numpy(self.floats), steps.device)
+            i = h2d(torch.from_numpy(self.ints), steps.device)
             self._device = (f, i)
         f, i = self._device
         return SamplingBatch(

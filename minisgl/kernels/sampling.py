@@ -1,6 +1,6 @@
 """The sampler's exponential race as Triton kernels (CUDA).
 
-Same draw as ``minisgl.engine.sampler.race``: argmax_j(scores[b, j] - log E[b, j]) with
+Same draw as ``minisgl.engine.noise.race``: argmax_j(scores[b, j] - log E[b, j]) with
 E = -log1p(-u), u = hash(seed, step, id) / 2^32, the same splitmix64 hash bit for bit (the
 float logs may round a few ulps apart from torch's, so rare near-ties can pick differently). Eager
 torch needs ~20 passes over [B, V] for it; this is one, with no compilation at run time and no

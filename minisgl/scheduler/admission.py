@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from minisgl.config import EngineConfig
+from minisgl.engine.engine import Engine
 from minisgl.scheduler.kv_manager import KVManager
 from minisgl.scheduler.policy import Policy
 from minisgl.scheduler.request import Req, ReqState, Row
@@ -31,15 +31,13 @@ class Admission:
         policy: Policy,
         waiting: deque[Req],
         running: list[Req],
-        config: EngineConfig,
-        context_length: int,
-        chunk_size: int,
+        engine: Engine,
         on_admit: Callable[[Req], None],
     ) -> None:
         self.kv, self.policy, self.waiting, self.running = kv, policy, waiting, running
-        self.config = config
-        self.context_length = context_length
-        self.chunk_size = chunk_size  # the step's token budget
+        self.config = config = engine.config
+        self.context_length = engine.context_length
+        self.chunk_size = engine.chunked_prefill_size  # the step's token budget
         self.on_admit = on_admit  # e.g. restore a recomputed request's penalty state
         self.ratio = config.init_new_token_ratio
         self.ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / 600

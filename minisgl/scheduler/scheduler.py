@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from minisgl.engine.engine import Engine
-from minisgl.engine.step import StepOutput
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.admission import Admission
 from minisgl.scheduler.decode import DecodeRows
@@ -30,6 +29,7 @@ from minisgl.scheduler.plugins import make_constraints, make_speculator
 from minisgl.scheduler.policy import Policy, check_priority
 from minisgl.scheduler.preemption import Preemption
 from minisgl.scheduler.request import Req, ReqState, Row
+from minisgl.scheduler.results import Results
 from minisgl.scheduler.step_builder import Launched, StepBuilder
 from minisgl.scheduler.stop import StopChecker, tokenizer_of
 
@@ -58,19 +58,9 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.policy = Policy(cfg.schedule_policy)
-        self.admission = Admission(
-            self.kv,
-            self.policy,
-            self.waiting,
-            self.running,
-            cfg,
-            self.context_length,
-            engine.chunked_prefill_size,
-            self._restore_penalties,
-        )
-        self.preemption = Preemption(
-            self.kv, self.policy, self.waiting, self.running, self.admission
-        )
+        queues = (self.kv, self.policy, self.waiting, self.running)
+        self.admission = Admission(*queues, engine, self._restore_penalties)
+        self.preemption = Preemption(*queues, self.admission)
         self.speculator = make_speculator(engine, self.kv)
         if self.speculator is not None:
             self.kv.cacheable = self.speculator.cacheable
@@ -78,6 +68,9 @@ class Scheduler:
         self.decodes = DecodeRows(self.kv, self.preemption, self.speculator, self.context_length)
         self.builder = StepBuilder(engine, self.kv, self.speculator, self.constraints)
         self.stop_checker = StopChecker(engine.model_config.eos_token_ids, decode)
+        self.results = Results(
+            self.stop_checker, self.constraints, self.speculator, self.context_length, self._finish
+        )
         # Overlap pays off only when the device runs asynchronously; on CPU it can be forced
         # (tests do, to check the one-step-late bookkeeping). Speculation reads each step's
         # result before drafting the next: no overlap.
@@ -93,7 +86,7 @@ class Scheduler:
         self.stats: dict[str, float] = {"steps": 0, "decode_steps": 0}
         self.stats.update(dict.fromkeys(("launch_s", "wait_s", "process_s"), 0.0))
         if self.speculator is not None:
-            self.speculator.stats = self.stats  # type: ignore[assignment]
+            self.speculator.stats = self.stats
 
     # ------------------------------------------------------------ requests
     def check_request(
@@ -266,49 +259,9 @@ class Scheduler:
         out = launched.pending.result()  # the one host sync of the step
         t1 = time.perf_counter()
         self.stats["wait_s"] += t1 - t0
-        if launched.prompt_lp is not None:
-            launched.prompt_lp.store(out.hook_results[0])
-        if launched.drafts:
-            self._accept_drafts(launched.drafts, out.hook_results[-1])
-        for i, req in enumerate(launched.sampled):
-            req.inflight -= 1
-            if req.finished:
-                continue  # aborted while its batch was in flight: the sample is dropped
-            self._append(req, out, i)
+        self.results.apply(launched, out)
         self.stats["process_s"] += time.perf_counter() - t1
         return launched.sampled + [r.req for r in launched.drafts]
-
-    def _append(self, req: Req, out: StepOutput, i: int) -> None:
-        token = out.tokens[i]
-        req.output_ids.append(token)
-        p = req.params
-        if p.logprobs and out.chosen_logprobs is not None:
-            req.output_logprobs.append(out.chosen_logprobs[i])
-        if p.top_logprobs and out.top_ids is not None and out.top_logprobs is not None:
-            k = p.top_logprobs
-            req.output_top_logprobs.append(list(zip(out.top_ids[i][:k], out.top_logprobs[i][:k])))
-        reason = self.stop_checker.check(req, self.context_length)
-        if req.constraint is not None and self.constraints is not None:
-            if self.constraints.advance(req, token) and reason is None:
-                reason = "stop"  # the constraint is complete: nothing else may follow
-        if reason is not None:
-            self._finish(req, reason)
-
-    def _accept_drafts(self, rows: list[Row], results: list[object]) -> None:
-        """Rows that verified drafts emit the accepted ones and the target's own token; only
-        verified tokens keep their K/V."""
-        assert self.speculator is not None
-        for row, tokens in zip(rows, self.speculator.accept(rows, results)):
-            req, reason = row.req, None
-            old_kv = req.kv_len - 1 - row.drafts
-            for tok in tokens:
-                req.output_ids.append(tok)
-                reason = self.stop_checker.check(req, self.context_length)
-                if reason is not None:
-                    break
-            req.kv_len = min(old_kv + len(tokens), req.num_known - 1)
-            if reason is not None:
-                self._finish(req, reason)
 
     def _finish(self, req: Req, reason: str) -> None:
         """End the request: its pages go back (what it computed stays in the prefix cache)."""

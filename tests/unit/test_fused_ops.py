@@ -254,7 +254,7 @@ def check_sampling_race(device: torch.device) -> None:
 
 
 def _sampling_race(device: torch.device) -> None:
-    from minisgl.engine.sampler import race
+    from minisgl.engine.noise import race
     from minisgl.kernels.sampling import triton_race
 
     g = torch.Generator().manual_seed(0)
@@ -304,7 +304,7 @@ def _race_values(
     logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:
     """The eager sampler's race values: x / T - log E, x = the logits in float32."""
-    from minisgl.engine.sampler import uniform_noise
+    from minisgl.engine.noise import uniform_noise
 
     x = logits.float()
     scaled = x / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
@@ -316,7 +316,7 @@ def _sample_ref(
     logits: torch.Tensor, temps: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
 ) -> torch.Tensor:
     """What the eager sampler draws: the race on x / T; greedy rows the argmax of x."""
-    from minisgl.engine.sampler import race
+    from minisgl.engine.noise import race
 
     x = logits.float()
     scaled = x / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]

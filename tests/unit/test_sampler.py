@@ -7,14 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisgl.engine.sampler import (
-    PenaltyState,
-    SampleOutput,
-    Sampler,
-    SamplingBatch,
-    mix64,
-    uniform_noise,
-)
+from minisgl.engine.noise import mix64, uniform_noise
+from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
 from minisgl.sampling_params import SamplingParams
 
 SAMPLER = Sampler()

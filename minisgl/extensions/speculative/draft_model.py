@@ -28,7 +28,7 @@ import torch
 from minisgl.attention.base import BatchLayout
 from minisgl.config import EngineConfig
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampler import i64, race
+from minisgl.engine.noise import i64, race
 from minisgl.engine.setup import default_dtype, read_hf_config
 from minisgl.extensions.speculative.options import SpeculativeOptions, without_speculation
 from minisgl.extensions.speculative.speculator import Proposal, SpeculatorBase

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from minisgl.engine.sampler import i64, race, uniform_noise
+from minisgl.engine.noise import i64, race, uniform_noise
 
 _ACCEPT_ID = -1  # hash id reserved for the acceptance coin, distinct from every vocab id
 
