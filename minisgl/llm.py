@@ -122,8 +122,6 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
             )
-        for p in params:
-            p.validate()
         priorities = self._priorities(priority, len(prompts))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
         encoded = [self.encode(p) for p in prompts]

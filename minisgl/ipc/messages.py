@@ -15,24 +15,44 @@ naming its class, then its field values in declaration order (compact, nested me
 round-trip, and one packer call does a whole message). Trailing fields still at their
 defaults are left out (the constructor fills them in): most per-token outputs carry 5 of
 their 17 fields, and a step sends one per running request.
+
+`SamplingParams` travels the same way, but is rebuilt without running its validation again:
+it was validated where it was built (see `checked_value`).
 """
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import TypeVar
 
 import msgpack
 
+from minisgl.sampling_params import SamplingParams
+
+T = TypeVar("T")
+# JSON-like values that cross IPC as they are (chat messages, template arguments, stats).
+JSONDict = dict[str, object]
+
 _EXT_MESSAGE = 1
 _REGISTRY: dict[str, type] = {}
+_CHECKED: dict[str, _CheckedBuilder] = {}
 
 
-def message(cls: type) -> type:
+def message(cls: type[T]) -> type[T]:
     """Register a dataclass so that it can be sent over IPC."""
     _REGISTRY[cls.__name__] = cls
+    return cls
+
+
+def checked_value(cls: type[T]) -> type[T]:
+    """Register a dataclass that validates itself when built (in ``__post_init__``), such as
+    `SamplingParams`: it was validated where it was made, so the receiver restores its fields
+    as they were sent instead of calling the constructor (which would validate it again)."""
+    message(cls)
+    _CHECKED[cls.__name__] = _CheckedBuilder(cls)
     return cls
 
 
@@ -45,15 +65,15 @@ class SubmitItem:
     rid: int
     text: str | None = None
     input_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None  # chat: rendered with the chat template
-    chat_template_kwargs: dict[str, Any] | None = None  # chat: passed to the template
+    messages: list[JSONDict] | None = None  # chat: rendered with the chat template
+    chat_template_kwargs: JSONDict | None = None  # chat: passed to the template
     continue_final_message: bool = False  # chat: the last (assistant) message stays open
     add_generation_prompt: bool = True  # chat
-    # SamplingParams fields; max_tokens None means "up to the context length".
-    params: dict[str, Any] = field(default_factory=dict)
+    # max_tokens None means "up to the context length" (the scheduler process resolves it).
+    params: SamplingParams = field(default_factory=SamplingParams)
     return_prompt_text: bool = False  # completions echo
     return_prompt_tokens: bool = False  # echo + logprobs: the prompt's token strings
-    tools: list[dict[str, Any]] | None = None  # chat: passed to the template
+    tools: list[JSONDict] | None = None  # chat: passed to the template
     priority: int = 0  # --schedule-policy priority: lower values are served first
 
 
@@ -83,7 +103,7 @@ class ControlRequest:
 class ControlReply:
     cid: int
     ok: bool
-    data: dict[str, Any] = field(default_factory=dict)
+    data: JSONDict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- worker -> scheduler
@@ -92,7 +112,7 @@ class ControlReply:
 class TokenizedRequest:
     rid: int
     input_ids: list[int]
-    params: dict[str, Any]
+    params: SamplingParams
     priority: int = 0
 
 
@@ -139,11 +159,10 @@ class TokenOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     error_status: int = 0  # HTTP status for the error: 400 bad request, 500 internal
-    # speculation totals so far: verify steps, draft tokens verified, drafts accepted
-    spec_verify_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
     queue_time: float = 0.0  # seconds from reaching the scheduler to first admission
+    # Running totals that extensions keep per request (e.g. speculation's verify steps), by
+    # name; empty when none has anything to count. Last, so that an empty one is not sent.
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @message
@@ -172,10 +191,8 @@ class TextOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # first output only, when asked for
     error: str | None = None
     error_status: int = 0
-    spec_verify_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
     queue_time: float = 0.0  # seconds from reaching the scheduler to first admission
+    counters: dict[str, int] = field(default_factory=dict)  # as TokenOutput's
 
     @property
     def finished(self) -> bool:
@@ -191,8 +208,8 @@ class TextOutputs:
 # ---------------------------------------------------------------- codec
 _NO_DEFAULT = object()
 
-
-_Layout = tuple[Callable[[Any], tuple[Any, ...]], tuple[Any, ...], msgpack.ExtType]
+# A getter of a message's field values, each field's default, and the tag naming its class.
+_Layout = tuple[Callable[[object], tuple[object, ...]], tuple[object, ...], msgpack.ExtType]
 _LAYOUTS: dict[type, _Layout] = {}
 
 
@@ -207,22 +224,44 @@ def _layout(cls: type) -> _Layout:
 
 def _make_layout(cls: type) -> _Layout:
     fs = fields(cls)
-    getter = operator.attrgetter(*(f.name for f in fs))
-    defaults = tuple(
-        f.default
-        if f.default is not MISSING
-        else f.default_factory()
-        if f.default_factory is not MISSING
-        else _NO_DEFAULT
-        for f in fs
-    )
-    tag = msgpack.ExtType(_EXT_MESSAGE, cls.__name__.encode())
+    getter: Callable[[object], tuple[object, ...]] = operator.attrgetter(*(f.name for f in fs))
     if len(fs) == 1:  # attrgetter of one name returns the value itself, not a tuple
-        return (lambda obj: (getter(obj),)), defaults, tag
-    return getter, defaults, tag
+        one = operator.attrgetter(fs[0].name)
+        getter = lambda obj: (one(obj),)  # noqa: E731
+    if cls.__name__ in _CHECKED:
+        # The defaults as the constructor leaves them (e.g. `stop` None becomes []).
+        defaults = getter(cls())
+    else:
+        defaults = tuple(
+            f.default
+            if f.default is not MISSING
+            else f.default_factory()
+            if f.default_factory is not MISSING
+            else _NO_DEFAULT
+            for f in fs
+        )
+    return getter, defaults, msgpack.ExtType(_EXT_MESSAGE, cls.__name__.encode())
 
 
-def _default(obj: Any) -> Any:
+class _CheckedBuilder:
+    """Rebuilds a `checked_value` class from its sent field values, without ``__init__``."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.names = tuple(f.name for f in fields(cls))
+
+    def build(self, values: list[object]) -> object:
+        obj: object = object.__new__(self.cls)
+        state = dict(zip(self.names, values))
+        defaults = _layout(self.cls)[1]
+        for name, default in zip(self.names[len(values) :], defaults[len(values) :]):
+            state[name] = copy.copy(default)  # a list default must not be shared
+        # A frozen dataclass refuses setattr; its instance dict takes the fields as they are.
+        obj.__dict__.update(state)
+        return obj
+
+
+def _default(obj: object) -> list[object]:
     """A message as the array [tag, *values]: the tag (an extension value naming the class)
     lets the decoder rebuild it, and the values are packed inline by the same packer."""
     cls = type(obj)
@@ -239,32 +278,33 @@ def _default(obj: Any) -> Any:
     return [tag, *values[:n]]
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
+def _ext_hook(code: int, data: bytes) -> object:
     if code != _EXT_MESSAGE:
         return msgpack.ExtType(code, data)
-    return _REGISTRY[data.decode()]
+    name = data.decode()
+    return _CHECKED.get(name) or _REGISTRY[name]
 
 
-def _list_hook(items: list[Any]) -> Any:
-    # Only a message's array starts with a class (what _ext_hook makes of a tag).
-    if items and type(items[0]) is type:
-        return items[0](*items[1:])
+def _list_hook(items: list[object]) -> object:
+    # Only a message's array starts with a class or a builder (what _ext_hook makes of a tag).
+    if items:
+        head = items[0]
+        if type(head) is type:
+            return head(*items[1:])
+        if type(head) is _CheckedBuilder:
+            return head.build(items[1:])
     return items
 
 
-def _pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+def encode(msg: object) -> bytes:
+    return msgpack.packb(msg, default=_default, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(
+def decode(data: bytes) -> object:
+    """The message (or plain value) ``data`` encodes; its type is the receiver's to check."""
+    return msgpack.unpackb(  # type: ignore[no-any-return]
         data, ext_hook=_ext_hook, list_hook=_list_hook, raw=False, strict_map_key=False
     )
 
 
-def encode(msg: Any) -> bytes:
-    return _pack(msg)
-
-
-def decode(data: bytes) -> Any:
-    return _unpack(data)
+checked_value(SamplingParams)

@@ -159,7 +159,6 @@ class Scheduler:
         uid: int | None = None,
         priority: int = 0,
     ) -> Req:
-        params.validate()
         self.check_prompt(prompt_ids)
         self.check_priority(priority)
         matcher = self.grammar_matcher(params)
@@ -296,7 +295,7 @@ class Scheduler:
             n_tok = len(r.prompt_ids) + n_out
             pending = n_tok - r.kv_len
             if pending == 1:
-                if r.inflight and (n_out >= r.params.max_tokens or n_tok >= ctx):
+                if r.inflight and (n_out >= r.params.max_new_tokens or n_tok >= ctx):
                     continue
                 decodes.append(r)
             elif pending > 1:
@@ -323,7 +322,7 @@ class Scheduler:
 
     def _growth(self, r: Req) -> int:
         """Tokens a request may still add: its max_tokens, but never past the context."""
-        return min(r.params.max_tokens - r.num_generated, self.context_length - r.num_tokens, 4096)
+        return min(r.params.max_new_tokens - r.num_generated, self.context_length - r.num_tokens, 4096)
 
     def _growth_pages(self, r: Req) -> int:
         """Pages admission sets aside for a request's expected growth."""

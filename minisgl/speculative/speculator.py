@@ -46,7 +46,7 @@ class Speculator(ABC):
         if not (p.is_greedy or plain) or p.uses_penalties or p.wants_logprobs:
             return 0
         room = min(
-            p.max_tokens - req.num_generated - 1,
+            p.max_new_tokens - req.num_generated - 1,
             self.engine.context_length - req.num_tokens - 1,
         )
         return max(0, min(self.k, room))

@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
+from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import zmq
 
 from minisgl.ipc import sockets
 from minisgl.ipc.child import (
+    ChildReport,
     freeze_startup_heap,
     parent_alive,
     run_child,
@@ -77,13 +79,13 @@ class _Stream:
     first: bool = True
 
 
-def run_worker(args: WorkerArgs, report_queue: Any) -> None:
+def run_worker(args: WorkerArgs, report_queue: Queue[ChildReport]) -> None:
     """Entry point of the worker process (spawned)."""
     setup_child(args.log_level)
     run_child(lambda: _serve(args, report_queue))
 
 
-def _serve(args: WorkerArgs, report_queue: Any) -> None:
+def _serve(args: WorkerArgs, report_queue: Queue[ChildReport]) -> None:
     with startup_report("tokenizer", report_queue) as ready:
         from minisgl.models.resolve import resolve_model_path
         from minisgl.tokenizer import load_tokenizer
@@ -141,7 +143,7 @@ class Worker:
             if outputs:
                 sockets.send(self.to_api, TextOutputs(outputs))
 
-    def _handle(self, msg: Any, outputs: list[TextOutput]) -> None:
+    def _handle(self, msg: object, outputs: list[TextOutput]) -> None:
         if isinstance(msg, SubmitRequest):
             self._submit(msg, outputs)
         elif isinstance(msg, StepOutputs):
@@ -174,10 +176,10 @@ class Worker:
         for item, req in zip(msg.items, reqs, strict=True):
             p = item.params
             stream = _Stream(
-                detok=IncrementalDetokenizer(self.tokenizer, p.get("skip_special_tokens", True)),
-                stops=StopStringFilter(p.get("stop") or []),
-                regexes=StopRegexFilter(p["stop_regex"]) if p.get("stop_regex") else None,
-                min_tokens=int(p.get("min_tokens") or 0),
+                detok=IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens),
+                stops=StopStringFilter(p.stop_strings),
+                regexes=StopRegexFilter(p.stop_regexes) if p.stop_regexes else None,
+                min_tokens=p.min_tokens,
             )
             if item.return_prompt_text:
                 stream.prompt_text = (
@@ -259,10 +261,8 @@ class Worker:
             matched_stop=matched,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
-            spec_verify_steps=out.spec_verify_steps,
-            spec_draft_tokens=out.spec_draft_tokens,
-            spec_accepted_tokens=out.spec_accepted_tokens,
             queue_time=out.queue_time,
+            counters=out.counters,
         )
         if stream.first:
             result.prompt_text = stream.prompt_text

@@ -148,23 +148,26 @@ def test_draft_model_validation(tiny_models: dict[str, Path], tmp_path: Path) ->
 
 
 def test_spec_metrics() -> None:
+    """The speculative extension's metrics, rendered by the metrics extension: the totals
+    from the scheduler's stats, and per finished request from its counters."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from minisgl.extensions.metrics.prometheus import ServerMetrics
+    from minisgl.extensions.speculative.server import METRICS
     from minisgl.ipc.messages import TextOutput
-    from minisgl.server.metrics import ServerMetrics
 
-    m = ServerMetrics()
+    m = ServerMetrics(METRICS)
     base = {"total_pages": 10, "free_pages": 10, "evictable_pages": 0, "running": 0}
     base |= {"waiting": 0, "prefix_hit_rate": 0.0}
-    m.refresh({**base, "spec_verify_steps": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 9})
-    m.refresh({**base, "spec_verify_steps": 6, "spec_draft_tokens": 18, "spec_accepted_tokens": 9})
+    m.on_stats({**base, "spec_verify_steps": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 9})
+    m.on_stats({**base, "spec_verify_steps": 6, "spec_draft_tokens": 18, "spec_accepted_tokens": 9})
 
     class Group:
         arrival, last_token_at = 0.0, {}  # type: ignore[var-annotated]
 
-    done = TextOutput(rid=1, text="", token_ids=[], finish_reason="stop")
-    done.spec_verify_steps, done.spec_accepted_tokens = 2, 4
-    m.observe_output(Group(), done, 1.0)  # type: ignore[arg-type]
+    counters = {"spec_verify_steps": 2, "spec_accepted_tokens": 4}
+    done = TextOutput(rid=1, text="", token_ids=[], finish_reason="stop", counters=counters)
+    m.on_output(Group(), done, 1.0)  # type: ignore[arg-type]
     samples = {
         s.name: s.value
         for fam in text_string_to_metric_families(m.render().decode())
