@@ -7,7 +7,7 @@ from pathlib import Path
 
 import zmq
 
-from minisgl.ipc.messages import decode, encode
+from minisgl.ipc.codec import decode, encode
 
 # A closed socket keeps undelivered messages this long (ms): enough to flush a final reply,
 # short enough that shutdown never hangs on a peer that is already gone.

@@ -16,6 +16,7 @@ import time
 import zmq
 
 from minisgl.ipc import sockets
+from minisgl.ipc.codec import decode, encode
 from minisgl.ipc.messages import (
     AbortRequests,
     ControlReply,
@@ -24,8 +25,6 @@ from minisgl.ipc.messages import (
     SubmitRequest,
     TextOutput,
     TextOutputs,
-    decode,
-    encode,
 )
 from minisgl.server.errors import Draining, ServiceUnavailable
 from minisgl.server.liveness import DEFAULT_HEALTH_TIMEOUT_S, Heartbeat

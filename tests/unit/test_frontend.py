@@ -17,15 +17,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minisgl.ipc import sockets
+from minisgl.ipc.codec import decode, encode, message
 from minisgl.ipc.messages import (
     SubmitItem,
     TextOutput,
     TextOutputs,
     TokenLogprob,
     TokenOutput,
-    decode,
-    encode,
-    message,
 )
 from minisgl.scheduler.scheduler import IN_BATCH_PREFIX_MIN, _shares_prefix
 from minisgl.server.errors import ClientGone

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from minisgl.cli import build_parser, engine_config
 from minisgl.config import EngineConfig, option_names
+from minisgl.ipc.codec import decode, encode
 from minisgl.ipc.messages import (
     AddRequests,
     StepOutputs,
@@ -20,8 +21,6 @@ from minisgl.ipc.messages import (
     TokenLogprob,
     TokenOutput,
     TopLogprob,
-    decode,
-    encode,
 )
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.errors import param_of
