@@ -14,7 +14,7 @@ from minisgl.server.request_group import RequestGroup, SequenceResult
 from minisgl.server.streaming import sse_event, sse_stream
 
 if TYPE_CHECKING:
-    from minisgl.extensions.responses.api import ResponsesRequest
+    from minisgl.extensions.responses.request import ResponsesRequest
 
 
 def _part(text: str) -> JSONDict:
