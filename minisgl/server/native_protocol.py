@@ -67,27 +67,13 @@ class GenerateRequest(BaseModel):
 
     def to_sampling_params(self) -> SamplingParams:
         sp = self.sampling_params
+        # Every other field is a SamplingParams field by the same name.
+        shared = sp.model_dump(exclude={"max_new_tokens", "min_new_tokens"})
         return server_params(
             SamplingParams(
+                **shared,
                 max_tokens=sp.max_new_tokens,
                 min_tokens=sp.min_new_tokens,
-                temperature=sp.temperature,
-                top_p=sp.top_p,
-                top_k=sp.top_k,
-                min_p=sp.min_p,
-                frequency_penalty=sp.frequency_penalty,
-                presence_penalty=sp.presence_penalty,
-                repetition_penalty=sp.repetition_penalty,
-                stop=sp.stop,
-                stop_token_ids=sp.stop_token_ids,
-                stop_regex=sp.stop_regex,
-                ignore_eos=sp.ignore_eos,
-                skip_special_tokens=sp.skip_special_tokens,
-                n=sp.n,
-                seed=sp.seed,
-                json_schema=sp.json_schema,
-                regex=sp.regex,
-                ebnf=sp.ebnf,
                 logprobs=self.return_logprob,
                 top_logprobs=self.top_logprobs_num if self.return_logprob else 0,
             )

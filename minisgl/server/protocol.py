@@ -7,18 +7,18 @@ SamplingParams is built, so the server and the offline API agree on what is vali
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Annotated, TypeVar, cast
+from typing import Annotated, cast
 
 from pydantic import BaseModel, Field, StrictInt
 
 from minisgl.ipc.messages import JSONDict, SubmitItem
-from minisgl.sampling_params import SamplingParams
+from minisgl.sampling_params import GRAMMAR_FIELDS, SamplingParams
 from minisgl.scheduler.policy import PRIORITY_MAX, PRIORITY_MIN
 from minisgl.server.chat_hooks import ChatHook, ChatTools, Constraint, chat_hook
 from minisgl.server.chat_messages import ChatMessage
 
-T = TypeVar("T")
 MAX_N = 128  # choices per request: more is almost surely a mistake, and each one costs KV
 # Seeds cross IPC as 64-bit integers; choice i of an n > 1 request uses seed + i, so leave room.
 SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
@@ -26,12 +26,6 @@ SEED_RANGE = (-(2**63), 2**63 - 1 - MAX_N)
 # scheduler refuses a non-zero one without it). Strict: true or "1" is a 400 naming the field.
 Priority = Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] | None
 MAX_TOKEN_ID = 2**31 - 1  # the scheduler reports ids outside the vocabulary precisely
-DEFAULT = SamplingParams()
-
-
-def _or(value: T | None, default: T) -> T:
-    """A field the client left out (or sent as null) takes SamplingParams' default."""
-    return default if value is None else value
 
 
 def server_params(params: SamplingParams) -> SamplingParams:
@@ -105,31 +99,15 @@ class _OpenAISampling(BaseModel):
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams: ``top_logprobs`` None asks for no logprobs."""
+        shared = self.model_dump(include=_SHARED_FIELDS, exclude_none=True)
         return server_params(
             SamplingParams(
-                temperature=_or(self.temperature, DEFAULT.temperature),
-                top_p=_or(self.top_p, DEFAULT.top_p),
-                top_k=_or(self.top_k, DEFAULT.top_k),
-                min_p=_or(self.min_p, DEFAULT.min_p),
-                repetition_penalty=_or(self.repetition_penalty, DEFAULT.repetition_penalty),
-                frequency_penalty=_or(self.frequency_penalty, DEFAULT.frequency_penalty),
-                presence_penalty=_or(self.presence_penalty, DEFAULT.presence_penalty),
+                **shared,
                 max_tokens=max_tokens,
-                min_tokens=_or(self.min_tokens, DEFAULT.min_tokens),
-                ignore_eos=self.ignore_eos,
-                stop=self.stop,
-                stop_token_ids=self.stop_token_ids,
-                stop_regex=self.stop_regex,
-                seed=self.seed,
                 logprobs=top_logprobs is not None,
                 top_logprobs=top_logprobs or 0,
                 prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens,
-                n=self.n,
-                json_schema=constraint.json_schema,
-                regex=constraint.regex,
-                ebnf=constraint.ebnf,
-                grammar_after=constraint.grammar_after,
+                **dataclasses.asdict(constraint),
             )
         )
 
@@ -142,6 +120,12 @@ class _OpenAISampling(BaseModel):
         """Every streamed chunk carries the usage so far (vLLM's continuous_usage_stats)."""
         opts = self.stream_options
         return bool(self.stream and opts and opts.continuous_usage_stats)
+
+
+# The fields SamplingParams has too, by the same name and meaning (a field left out or null
+# takes SamplingParams' default); the structured-output ones go through `Constraint`.
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)} - set(GRAMMAR_FIELDS)
+_SHARED_FIELDS = _PARAM_NAMES & set(_OpenAISampling.model_fields)
 
 
 class ChatCompletionRequest(_OpenAISampling):
