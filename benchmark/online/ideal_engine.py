@@ -66,7 +66,7 @@ def _serve(args: Any, report_queue: Any) -> None:
         for msg in msgs:
             if isinstance(msg, AddRequests):
                 for r in msg.reqs:
-                    live[r.rid] = [len(r.input_ids), 0, int(r.params.get("max_tokens") or 16)]
+                    live[r.rid] = [len(r.input_ids), 0, r.params.max_tokens or 16]
             elif isinstance(msg, AbortRequests):
                 for rid in msg.rids:
                     if (state := live.pop(rid, None)) is not None:
