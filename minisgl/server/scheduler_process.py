@@ -93,7 +93,6 @@ def _serve(args: SchedulerArgs, report_queue: Queue[child.ChildReport]) -> None:
                 "page_size": args.config.page_size,
                 "model_path": str(engine.resolved.path),
                 "device": str(engine.device),
-                "speculative_algorithm": args.config.speculative_algorithm,
             }
         )
         child.freeze_startup_heap()

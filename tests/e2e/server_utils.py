@@ -111,14 +111,33 @@ class ServerHandle:
         return int(self.proc.returncode)
 
 
+# Python code that makes the extension packages named in argv[1] (comma-separated)
+# unimportable, as if they had been removed; then `minisgl.cli.main` with argv[2:].
+BLOCK_EXTENSIONS = (
+    "import sys; "
+    "[sys.modules.__setitem__('minisgl.extensions.' + n, None) for n in sys.argv[1].split(',')]; "
+)
+WITHOUT_EXTENSIONS = BLOCK_EXTENSIONS + "from minisgl.cli import main; sys.exit(main(sys.argv[2:]))"
+
+
+def without_extensions(names: list[str]) -> list[str]:
+    """The command that runs minisgl without these extension packages (its arguments follow)."""
+    return [sys.executable, "-c", WITHOUT_EXTENSIONS, ",".join(names)]
+
+
 def start_server(
-    args: list[str], ready_timeout: float = 300, switches: dict[Switch[Any], object] | None = None
+    args: list[str],
+    ready_timeout: float = 300,
+    switches: dict[Switch[Any], object] | None = None,
+    without: list[str] | None = None,
 ) -> ServerHandle:
     """``python -m minisgl`` with ``args`` on a free port, its environment switches set to
-    ``switches``; returns once it answers /health."""
+    ``switches`` and the extension packages named in ``without`` unimportable; returns once
+    it answers /health."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix="minisgl-e2e-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "minisgl", "--port", str(port), *args]
+    main = without_extensions(without) if without else [sys.executable, "-m", "minisgl"]
+    cmd = [*main, "--port", str(port), *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             cmd,
