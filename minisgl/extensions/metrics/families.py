@@ -40,75 +40,56 @@ class Family:
         return kind(self.name, self.help, self.labels, registry=registry)
 
 
-# In the order they are rendered; extensions' metrics go between these two groups.
-SCHEDULER_AND_COUNTS = (
-    Family("minisgl_num_running_reqs", "Requests being decoded", "gauge"),
-    Family("minisgl_num_waiting_reqs", "Requests waiting for admission", "gauge"),
-    Family(
-        "minisgl_kv_cache_usage",
-        "Share of KV pages held by requests (neither free nor evictable cache)",
-        "gauge",
-    ),
-    Family("minisgl_kv_pages", "KV pages by state", "gauge", ("state",)),
-    Family("minisgl_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", "gauge"),
-    Family("minisgl_prompt_tokens", "Prompt tokens processed", "counter"),
-    Family("minisgl_cached_prompt_tokens", "Prompt tokens served from the prefix cache", "counter"),
-    Family("minisgl_generation_tokens", "Tokens generated", "counter"),
-    Family(
-        "minisgl_requests", "Finished sequences by finish reason", "counter", ("finish_reason",)
-    ),
-    Family("minisgl_client_aborts", "Sequences aborted because the client went away", "counter"),
-    # reason: unauthorized | body_too_large | queue_full | shutting_down
-    Family(
-        "minisgl_rejected_requests",
-        "HTTP requests refused before queueing, by reason",
-        "counter",
-        ("reason",),
-    ),
-    # reason: timeout | shutdown | abort_request
-    Family(
-        "minisgl_server_aborts", "Sequences the server aborted, by reason", "counter", ("reason",)
-    ),
-    Family(
-        "minisgl_scheduler_aborts",
-        "Sequences aborted in the scheduler (client gone, timeout, shutdown, stop string "
-        "seen by the detokenizer), by where they were",
-        "counter",
-        ("phase",),  # waiting | prefill | decode
-    ),
-    Family("minisgl_integrity_checks", "KV integrity checks run by the scheduler", "counter"),
-    Family(
-        "minisgl_integrity_violations",
-        "KV integrity checks that failed (leaked or double-owned pages or rows)",
-        "counter",
-    ),
+# name: help, in the order they are rendered (extensions' metrics go before the latencies).
+_GAUGES = {
+    "minisgl_num_running_reqs": "Requests being decoded",
+    "minisgl_num_waiting_reqs": "Requests waiting for admission",
+    "minisgl_kv_cache_usage": "Share of KV pages held by requests (neither free nor evictable "
+    "cache)",
+    "minisgl_kv_pages": "KV pages by state",
+    "minisgl_prefix_cache_hit_rate": "Prompt tokens served from the prefix cache",
+}
+_COUNTERS = {
+    "minisgl_prompt_tokens": "Prompt tokens processed",
+    "minisgl_cached_prompt_tokens": "Prompt tokens served from the prefix cache",
+    "minisgl_generation_tokens": "Tokens generated",
+    "minisgl_requests": "Finished sequences by finish reason",
+    "minisgl_client_aborts": "Sequences aborted because the client went away",
+    "minisgl_rejected_requests": "HTTP requests refused before queueing, by reason",
+    "minisgl_server_aborts": "Sequences the server aborted, by reason",
+    "minisgl_scheduler_aborts": "Sequences aborted in the scheduler (client gone, timeout, "
+    "shutdown, stop string seen by the detokenizer), by where they were",
+    "minisgl_integrity_checks": "KV integrity checks run by the scheduler",
+    "minisgl_integrity_violations": "KV integrity checks that failed (leaked or double-owned "
+    "pages or rows)",
+}
+_HISTOGRAMS = {
+    "minisgl_time_to_first_token_seconds": "Time to first token",
+    "minisgl_queue_time_seconds": "Time a request waited in the scheduler's queue before its "
+    "first prefill",
+    "minisgl_inter_token_latency_seconds": "Time between consecutive output tokens",
+    "minisgl_e2e_request_latency_seconds": "Request latency, arrival to last token",
+}
+_LABELS = {
+    "minisgl_kv_pages": ("state",),  # free | evictable | total
+    "minisgl_requests": ("finish_reason",),
+    # unauthorized | body_too_large | queue_full | shutting_down
+    "minisgl_rejected_requests": ("reason",),
+    "minisgl_server_aborts": ("reason",),  # timeout | shutdown | abort_request
+    "minisgl_scheduler_aborts": ("phase",),  # waiting | prefill | decode
+}
+_BUCKETS = {"minisgl_e2e_request_latency_seconds": E2E_BUCKETS}  # others: LATENCY_BUCKETS
+
+
+def _family(name: str, help: str, kind: Kind) -> Family:
+    buckets = _BUCKETS.get(name, LATENCY_BUCKETS) if kind == "histogram" else ()
+    return Family(name, help, kind, _LABELS.get(name, ()), buckets)
+
+
+SCHEDULER_AND_COUNTS = tuple(_family(n, h, "gauge") for n, h in _GAUGES.items()) + tuple(
+    _family(n, h, "counter") for n, h in _COUNTERS.items()
 )
-LATENCIES = (
-    Family(
-        "minisgl_time_to_first_token_seconds",
-        "Time to first token",
-        "histogram",
-        buckets=LATENCY_BUCKETS,
-    ),
-    Family(
-        "minisgl_queue_time_seconds",
-        "Time a request waited in the scheduler's queue before its first prefill",
-        "histogram",
-        buckets=LATENCY_BUCKETS,
-    ),
-    Family(
-        "minisgl_inter_token_latency_seconds",
-        "Time between consecutive output tokens",
-        "histogram",
-        buckets=LATENCY_BUCKETS,
-    ),
-    Family(
-        "minisgl_e2e_request_latency_seconds",
-        "Request latency, arrival to last token",
-        "histogram",
-        buckets=E2E_BUCKETS,
-    ),
-)
+LATENCIES = tuple(_family(n, h, "histogram") for n, h in _HISTOGRAMS.items())
 
 
 def stat(stats: Stats, key: str) -> float:
