@@ -17,9 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from minisgl.ipc.messages import JSONDict
 from minisgl.server.args import ServerArgs
-
-JSONDict = dict[str, object]
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
+from minisgl.ipc.messages import JSONDict
+
 T = TypeVar("T")
 Counters = Mapping[str, int]
-JSONDict = dict[str, object]
 
 
 @dataclass(frozen=True)

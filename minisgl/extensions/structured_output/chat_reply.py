@@ -5,7 +5,8 @@ parser per choice serves both streamed and whole replies (the core's `ReplyParse
 from __future__ import annotations
 
 from minisgl.extensions.structured_output.reasoning import StreamingReasoningParser
-from minisgl.extensions.structured_output.tool_calls import JSONDict, StreamingToolParser
+from minisgl.extensions.structured_output.tool_calls import StreamingToolParser
+from minisgl.ipc.messages import JSONDict
 
 
 class ChatReplyParser:

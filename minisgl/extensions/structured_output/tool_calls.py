@@ -21,10 +21,10 @@ import re
 import uuid
 
 from minisgl.extensions.structured_output.reasoning import partial_suffix
+from minisgl.ipc.messages import JSONDict
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-JSONDict = dict[str, object]
 
 
 def _function(tool: object) -> JSONDict:
