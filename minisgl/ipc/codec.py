@@ -82,15 +82,23 @@ class _CheckedBuilder:
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.names = tuple(f.name for f in fields(cls))
+        self._defaults: dict[str, object] | None = None  # by name, built on first use
+        self._mutable: tuple[tuple[int, str], ...] = ()  # (index, name) of list/dict defaults
 
     def build(self, values: list[object]) -> object:
+        if self._defaults is None:
+            defaults = _layout(self.cls)[1]
+            self._defaults = dict(zip(self.names, defaults))
+            mutable = [i for i, d in enumerate(defaults) if isinstance(d, (list, dict))]
+            self._mutable = tuple((i, self.names[i]) for i in mutable)
         obj: object = object.__new__(self.cls)
-        state = dict(zip(self.names, values))
-        defaults = _layout(self.cls)[1]
-        for name, default in zip(self.names[len(values) :], defaults[len(values) :]):
-            state[name] = copy.copy(default)  # a list default must not be shared
         # A frozen dataclass refuses setattr; its instance dict takes the fields as they are.
-        obj.__dict__.update(state)
+        state = obj.__dict__
+        state.update(self._defaults)
+        state.update(zip(self.names, values))
+        for i, name in self._mutable:
+            if i >= len(values):  # left out as a default: a list must not be shared
+                state[name] = copy.copy(self._defaults[name])
         return obj
 
 
