@@ -122,8 +122,6 @@ class LLM:
             raise ValueError(
                 f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
             )
-        for p in params:
-            p.validate()
         priorities = self._priorities(priority, len(prompts))
         # Validate everything before queueing anything, so a bad prompt loses nothing.
         encoded = [self.encode(p) for p in prompts]
@@ -163,7 +161,8 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate replies to one conversation or a list of them (see apply_chat_template).
-        Replies are text; ``minisgl.server.tool_calls.parse_tool_calls`` splits out calls."""
+        Replies are text; the structured_output extension's ``tool_calls.parse_tool_calls``
+        splits out calls."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.apply_chat_template(

@@ -49,7 +49,7 @@ class ChatSession:
     def _prompt_ids(self) -> list[int]:
         """The conversation rendered by the chat template; the oldest turns are dropped when
         it no longer leaves room for an answer."""
-        room = min(self.params.max_tokens, self.scheduler.context_length // 2)
+        room = min(self.params.max_new_tokens, self.scheduler.context_length // 2)
         while True:
             ids = render_chat(self.tokenizer, self.history)
             if len(ids) + room <= self.scheduler.context_length or len(self.history) <= 1:
@@ -63,9 +63,7 @@ class ChatSession:
         if room < 1:
             self.history.pop()
             raise ValueError("the message is longer than the model's context")
-        params = SamplingParams(
-            **{**vars(self.params), "max_tokens": min(self.params.max_tokens, room)}
-        )
+        params = self.params.with_max_tokens(min(self.params.max_new_tokens, room))
         req = self.scheduler.add_request(ids, params)
         detok = IncrementalDetokenizer(self.tokenizer)
         answer: list[str] = []

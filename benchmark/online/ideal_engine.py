@@ -52,8 +52,7 @@ def _serve(args: Any, report_queue: Any) -> None:
         outbox = sockets.connect_push(ctx, args.addresses.worker)
         ready(
             {"context_length": 1 << 20, "vocab_size": 1 << 20, "num_pages": 1 << 20,
-             "page_size": 1, "model_path": "ideal", "device": "cpu",
-             "speculative_algorithm": None}
+             "page_size": 1, "model_path": "ideal", "device": "cpu"}
         )  # fmt: skip
     live: dict[int, list[int]] = {}  # rid -> [prompt tokens, generated, max_tokens]
     next_step = time.perf_counter() + step_s
@@ -66,7 +65,7 @@ def _serve(args: Any, report_queue: Any) -> None:
         for msg in msgs:
             if isinstance(msg, AddRequests):
                 for r in msg.reqs:
-                    live[r.rid] = [len(r.input_ids), 0, int(r.params.get("max_tokens") or 16)]
+                    live[r.rid] = [len(r.input_ids), 0, r.params.max_tokens or 16]
             elif isinstance(msg, AbortRequests):
                 for rid in msg.rids:
                     if (state := live.pop(rid, None)) is not None:

@@ -29,7 +29,7 @@ import zmq  # noqa: E402
 from minisgl.ipc import sockets  # noqa: E402
 from minisgl.server.app import create_app  # noqa: E402
 from minisgl.server.frontend import Frontend  # noqa: E402
-from minisgl.server.metrics import ServerMetrics  # noqa: E402
+from minisgl.server.observers import make_observers  # noqa: E402
 from minisgl.server.state import ModelInfo, ServerState  # noqa: E402
 
 
@@ -47,9 +47,8 @@ async def ingest(n: int, body: bytes) -> float:
     addrs = sockets.IpcAddresses.in_dir(Path(tempfile.mkdtemp()))
     ctx = zmq.Context()
     worker = sockets.bind_pull(ctx, addrs.worker)  # stands in for the tokenizer worker
-    metrics = ServerMetrics()
-    frontend = Frontend(addrs, metrics)
-    app = create_app(ServerState(ModelInfo("m", "/m", 4096), frontend, metrics, 0))
+    frontend = Frontend(addrs, make_observers())  # the metrics extension's, if loaded
+    app = create_app(ServerState(ModelInfo("m", "/m", 4096), frontend, 0))
     await frontend.start()
     scope = {
         "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},

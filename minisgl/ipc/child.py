@@ -13,7 +13,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from multiprocessing.queues import Queue
 
 _PR_SET_PDEATHSIG = 1
 
@@ -26,7 +26,7 @@ class ChildReport:
 
     name: str
     ok: bool
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, object] = field(default_factory=dict)
     error: str = ""
 
 
@@ -85,7 +85,9 @@ def parent_alive(parent_pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def startup_report(name: str, queue: Any) -> Iterator[Callable[[dict[str, Any]], None]]:
+def startup_report(
+    name: str, queue: Queue[ChildReport]
+) -> Iterator[Callable[[dict[str, object]], None]]:
     """Wrap a child's start-up: ``ready(info)`` reports success; an exception escaping the
     block is reported as the startup error, and the child exits 1 (SystemExit)."""
     reported = False

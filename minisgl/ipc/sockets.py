@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import zmq
 
-from minisgl.ipc.messages import decode, encode
+from minisgl.ipc.codec import decode, encode
 
 # A closed socket keeps undelivered messages this long (ms): enough to flush a final reply,
 # short enough that shutdown never hangs on a peer that is already gone.
 LINGER_MS = 500
+
+Socket = zmq.Socket[bytes]
+Context = zmq.Context[Socket]
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class IpcAddresses:
         )
 
 
-def _configure(sock: zmq.Socket[Any]) -> None:
+def _configure(sock: Socket) -> None:
     # No high-water mark: a PUSH at its HWM blocks, and a blocked scheduler would stall
     # every request. Queues stay small because every consumer drains its inbox eagerly.
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -41,14 +43,14 @@ def _configure(sock: zmq.Socket[Any]) -> None:
     sock.setsockopt(zmq.LINGER, LINGER_MS)
 
 
-def bind_pull(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+def bind_pull(ctx: Context, address: str) -> Socket:
     sock = ctx.socket(zmq.PULL)
     _configure(sock)
     sock.bind(address)
     return sock
 
 
-def connect_push(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+def connect_push(ctx: Context, address: str) -> Socket:
     # Connecting before the peer binds is fine: ZMQ queues messages and retries the connect,
     # so nothing sent during startup is lost.
     sock = ctx.socket(zmq.PUSH)
@@ -57,14 +59,14 @@ def connect_push(ctx: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
     return sock
 
 
-def send(sock: zmq.Socket[Any], msg: Any) -> None:
+def send(sock: Socket, msg: object) -> None:
     sock.send(encode(msg), copy=False)
 
 
-def recv_all(sock: zmq.Socket[Any], timeout_ms: int | None) -> list[Any]:
+def recv_all(sock: Socket, timeout_ms: int | None) -> list[object]:
     """Wait up to ``timeout_ms`` (None: forever, 0: not at all) for a message, then drain
     whatever else is already queued."""
-    msgs: list[Any] = []
+    msgs: list[object] = []
     if timeout_ms != 0 and not sock.poll(timeout_ms):
         return msgs
     while True:

@@ -49,7 +49,9 @@ class Admission:
     # ------------------------------------------------------------ the growth estimate
     def growth(self, r: Req) -> int:
         """Tokens a request may still add: its max_tokens, but never past the context."""
-        return min(r.params.max_tokens - r.num_generated, self.context_length - r.num_tokens, 4096)
+        return min(
+            r.params.max_new_tokens - r.num_generated, self.context_length - r.num_tokens, 4096
+        )
 
     def growth_pages(self, r: Req) -> int:
         """Pages admission sets aside for a request's expected growth."""

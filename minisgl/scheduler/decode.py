@@ -34,7 +34,7 @@ class DecodeRows:
             n_tok = len(r.prompt_ids) + n_out
             pending = n_tok - r.kv_len
             if pending == 1:
-                if r.inflight and (n_out >= r.params.max_tokens or n_tok >= ctx):
+                if r.inflight and (n_out >= r.params.max_new_tokens or n_tok >= ctx):
                     continue
                 decodes.append(r)
             elif pending > 1:

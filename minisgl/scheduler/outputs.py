@@ -22,10 +22,8 @@ def token_output(req: Req, start: int) -> TokenOutput:
         cached_tokens=req.cached_tokens,
         finish_reason=req.finish_reason if req.finished else None,
         matched_stop=req.matched_stop if req.finished else None,
-        spec_verify_steps=req.counters.get("spec_verify_steps", 0),
-        spec_draft_tokens=req.counters.get("spec_draft_tokens", 0),
-        spec_accepted_tokens=req.counters.get("spec_accepted_tokens", 0),
         queue_time=req.queue_time,
+        counters=request_counters(req),
     )
     if start == 0 and req.params.prompt_logprobs is not None:
         out.prompt_logprobs = [
@@ -50,6 +48,11 @@ def token_output(req: Req, start: int) -> TokenOutput:
             for i, tok in enumerate(out.new_ids)
         ]
     return out
+
+
+def request_counters(req: Req) -> dict[str, int]:
+    """The request's extension counters (running totals), those not zero."""
+    return {name: n for name, n in req.counters.items() if n}
 
 
 def error_output(rid: int, message: str, status: int) -> TokenOutput:

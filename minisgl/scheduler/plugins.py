@@ -43,7 +43,7 @@ class StepDrafts:
 
 
 class Speculator(Protocol):
-    stats: dict[str, float]  # the scheduler's stats, where it adds its totals
+    totals: dict[str, int]  # the scheduler's totals over the run, where it adds its own
 
     def check(self, params: SamplingParams) -> None:
         """ValueError naming the field if a request with ``params`` cannot be served."""

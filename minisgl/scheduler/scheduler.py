@@ -81,12 +81,13 @@ class Scheduler:
         self.rng = random.Random(cfg.seed)
         self.uids = itertools.count()
         self.arrivals = itertools.count()
-        # Where host time goes: benchmarks print these to tell CPU- from GPU-bound runs;
-        # plug-ins add their totals (speculation: drafts verified and accepted).
+        # Where host time goes: benchmarks print these to tell CPU- from GPU-bound runs.
         self.stats: dict[str, float] = {"steps": 0, "decode_steps": 0}
         self.stats.update(dict.fromkeys(("launch_s", "wait_s", "process_s"), 0.0))
+        # What plug-ins count over the run (speculation: drafts verified and accepted).
+        self.totals: dict[str, int] = {}
         if self.speculator is not None:
-            self.speculator.stats = self.stats
+            self.speculator.totals = self.totals
 
     # ------------------------------------------------------------ requests
     def check_request(

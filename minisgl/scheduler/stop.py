@@ -43,7 +43,7 @@ class StopChecker:
         if p.stop_regex and self.decode is not None and self._regex_matched(req, checked):
             return "stop"
         # Known tokens only: with overlap a token may be in flight, and it is still to come.
-        if n_out >= p.max_tokens or req.num_known >= context_length:
+        if n_out >= p.max_new_tokens or req.num_known >= context_length:
             return "length"
         return None
 

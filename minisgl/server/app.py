@@ -12,16 +12,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from minisgl.server import native_api, openai_api, responses_api
-from minisgl.server.errors import APIError, error_response, install_error_handlers
-from minisgl.server.frontend import Frontend, ServiceUnavailable, make_items
+from minisgl.sampling_params import SamplingParams
+from minisgl.server import native_api, openai_api
+from minisgl.server.errors import (
+    APIError,
+    ServiceUnavailable,
+    error_response,
+    install_error_handlers,
+)
+from minisgl.server.frontend import Frontend
 from minisgl.server.guards import APIKeyGuard, BodySizeLimit
+from minisgl.server.request_group import make_items
+from minisgl.server.routes import extension_routers
 from minisgl.server.state import ServerState, server_state
 
 logger = logging.getLogger(__name__)
 
-STATS_TIMEOUT_S = 5.0
 HEALTH_GENERATE_POLL_S = 0.05
+# /health_generate's probe: one greedy token.
+PROBE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
@@ -59,22 +68,24 @@ def create_app(
             await state.frontend.stop()
 
     app = FastAPI(title="minisgl", lifespan=lifespan)
+    observers = state.frontend.observers
     # The last middleware added runs first: authenticate (headers only), then read the body
     # within its size limit, then default its content type.
     app.add_middleware(JSONBodyByDefault)
-    app.add_middleware(BodySizeLimit, limit=max_request_bytes, metrics=state.metrics)
+    app.add_middleware(BodySizeLimit, limit=max_request_bytes, observers=observers)
     if api_key:
-        app.add_middleware(APIKeyGuard, api_key=api_key, metrics=state.metrics)
+        app.add_middleware(APIKeyGuard, api_key=api_key, observers=observers)
     app.state.minisgl = state
     install_error_handlers(app)
     app.include_router(openai_api.router)
-    app.include_router(responses_api.router)
+    for router in extension_routers():  # e.g. /v1/responses
+        app.include_router(router)
     app.include_router(native_api.router)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/health_generate", health_generate, methods=["GET"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
-    app.add_api_route("/metrics", metrics, methods=["GET"])
+    observers.mount(app)  # e.g. /metrics
     return app
 
 
@@ -107,9 +118,7 @@ async def health_generate(request: Request) -> Response:
         return early
     sent = time.monotonic()
     try:
-        group = frontend.submit(
-            make_items([[0]], [{"max_tokens": 1, "temperature": 0.0}]), probe=True
-        )
+        group = frontend.submit(make_items([[0]], [PROBE_PARAMS]), probe=True)
     except ServiceUnavailable as exc:
         return error_response(503, f"unhealthy: {exc}")
     try:
@@ -149,13 +158,3 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     if model_id != state.served_model_name:
         raise APIError(404, f"the model {model_id!r} does not exist", "model")
     return JSONResponse(_model_card(state))
-
-
-async def metrics(request: Request) -> Response:
-    state = server_state(request)
-    try:
-        reply = await state.frontend.control("stats", STATS_TIMEOUT_S)
-        state.metrics.refresh(reply.data)
-    except (asyncio.TimeoutError, ServiceUnavailable):
-        logger.warning("scheduler stats unavailable; serving the last values")
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from minisgl.server.protocol import param_of
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +30,18 @@ _TYPES = {
 RETRY_AFTER_S = 1
 
 
+class ServiceUnavailable(RuntimeError):
+    """The engine is gone (a child process died) or the server is shutting down."""
+
+
+class Draining(ServiceUnavailable):
+    """The server is shutting down gracefully: running requests finish, new ones are refused."""
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was complete."""
+
+
 class APIError(Exception):
     def __init__(
         self,
@@ -47,6 +57,15 @@ class APIError(Exception):
         self.headers = headers
 
 
+_FIELD_RE = re.compile(r"^(\w+) (must|requires)")
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message names (messages start with the field name)."""
+    m = _FIELD_RE.match(message)
+    return m.group(1) if m else None
+
+
 def bad_request(exc: Exception | str) -> APIError:
     message = str(exc)
     return APIError(400, message, param_of(message))
@@ -59,7 +78,7 @@ def engine_error(status: int, message: str) -> APIError:
     return APIError(status, message, param_of(message) if status == 400 else None)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
     return {
         "error": {
             "message": message,

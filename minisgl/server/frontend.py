@@ -1,8 +1,8 @@
 """The API server's side of IPC: submit requests, route outputs to their HTTP request, abort.
 
-Each HTTP request becomes a `RequestGroup` (one sequence per choice). Outputs are routed by
-request id to the group's queue; a group is forgotten as soon as all its sequences finished or
-it is closed, so no per-request state outlives its HTTP request.
+Each HTTP request becomes a `RequestGroup` (one sequence per choice, request_group.py).
+Outputs are routed by request id to the group's queue; a group is forgotten as soon as all
+its sequences finished or it is closed, so no per-request state outlives its HTTP request.
 """
 
 from __future__ import annotations
@@ -12,13 +12,11 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import zmq
 
 from minisgl.ipc import sockets
+from minisgl.ipc.codec import decode, encode
 from minisgl.ipc.messages import (
     AbortRequests,
     ControlReply,
@@ -27,163 +25,29 @@ from minisgl.ipc.messages import (
     SubmitRequest,
     TextOutput,
     TextOutputs,
-    TokenLogprob,
-    decode,
-    encode,
 )
-from minisgl.server.metrics import ServerMetrics
+from minisgl.server.errors import Draining, ServiceUnavailable
+from minisgl.server.liveness import DEFAULT_HEALTH_TIMEOUT_S, Heartbeat
+from minisgl.server.observers import Observers
+from minisgl.server.request_group import RequestGroup
 
 logger = logging.getLogger(__name__)
-
-# Liveness (see Frontend.stalled): the scheduler answers a "ping" control message from its
-# loop, between steps. A ping unanswered for the health timeout makes /health 503. The default
-# is generous because one step can legitimately block the loop for long: a huge prefill, or
-# the first use of a kernel shape compiling (Triton JIT) on a GPU; a load balancer that pulls
-# a busy but working server out of rotation does more harm than one that notices a hang late.
-DEFAULT_HEALTH_TIMEOUT_S = 60.0
-PING_INTERVAL_S = 5.0  # at most; a quarter of the timeout when that is shorter
-
-
-class ServiceUnavailable(RuntimeError):
-    """The engine is gone (a child process died) or the server is shutting down."""
-
-
-class Draining(ServiceUnavailable):
-    """The server is shutting down gracefully: running requests finish, new ones are refused."""
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was complete."""
-
-
-@dataclass
-class SequenceResult:
-    """Everything one sequence (choice) produced, accumulated from its outputs."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    prompt_text: str | None = None
-    prompt_token_strs: list[str] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-    error: str | None = None
-    error_status: int = 0
-    spec_verify_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-
-    def add(self, out: TextOutput) -> None:
-        self.text += out.text
-        self.token_ids += out.token_ids
-        self.logprobs += out.logprobs or []
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = out.completion_tokens or self.completion_tokens
-        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
-        # Running totals; an error output carries zeros, so keep the largest seen.
-        self.spec_verify_steps = max(self.spec_verify_steps, out.spec_verify_steps)
-        self.spec_draft_tokens = max(self.spec_draft_tokens, out.spec_draft_tokens)
-        self.spec_accepted_tokens = max(self.spec_accepted_tokens, out.spec_accepted_tokens)
-        if out.prompt_text is not None:
-            self.prompt_text = out.prompt_text
-        if out.prompt_token_strs is not None:
-            self.prompt_token_strs = out.prompt_token_strs
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        if out.finish_reason is not None:
-            self.finish_reason, self.matched_stop = out.finish_reason, out.matched_stop
-            self.error, self.error_status = out.error, out.error_status
-
-
-class RequestGroup:
-    """The sequences of one HTTP request and the queue their outputs arrive on."""
-
-    def __init__(self, frontend: Frontend, rids: list[int]) -> None:
-        self.frontend = frontend
-        self.rids = rids
-        self.index = {rid: i for i, rid in enumerate(rids)}
-        # None on the queue: the client disconnected (client_gone), whoever is waiting stops.
-        self.queue: asyncio.Queue[TextOutput | None] = asyncio.Queue()
-        self.gone = False
-        self.unfinished = set(rids)
-        self.arrival = time.perf_counter()
-        self.last_token_at: dict[int, float] = {}  # per sequence, for inter-token latency
-        self.timer: asyncio.TimerHandle | None = None  # the request timeout, if any
-        self.probe = False  # a /health_generate request: kept out of the metrics
-        self.closed = False
-        self.name: str | None = None  # the id the client sees (for /abort_request)
-
-    async def first(self) -> TextOutput:
-        """The first output of any sequence (an error here means nothing was queued).
-        Awaited by the request's own task: the output wakes it directly, one event-loop
-        pass after it is routed (under a burst of arriving requests every extra hop through
-        another task waits a whole pass of request handlers)."""
-        out = await self.queue.get()
-        if out is None:
-            raise ClientGone()
-        return out
-
-    def client_gone(self) -> None:
-        """The client disconnected: wake whoever waits for outputs, so that it stops."""
-        if not self.gone:
-            self.gone = True
-            self.queue.put_nowait(None)
-
-    async def outputs(self, first: TextOutput | None = None) -> AsyncIterator[TextOutput]:
-        """Outputs in arrival order until every sequence has finished."""
-        async for batch in self.batches(first):
-            for out in batch:
-                yield out
-
-    async def batches(self, first: TextOutput | None = None) -> AsyncIterator[list[TextOutput]]:
-        """Outputs in arrival order until every sequence has finished, a batch per wake-up:
-        each batch is everything queued by then. A stream that fell behind (the event loop
-        was busy) catches up with one write instead of one per output."""
-        pending = [first] if first is not None else []
-        done: set[int] = set()
-        while len(done) < len(self.rids):
-            got = pending.pop() if pending else await self.queue.get()
-            batch: list[TextOutput] = []
-            while got is not None:
-                batch.append(got)
-                if got.finished:
-                    done.add(got.rid)
-                if len(done) == len(self.rids) or self.queue.empty():
-                    break
-                got = self.queue.get_nowait()
-            if batch:
-                yield batch
-            if got is None:  # the client is gone
-                return
-
-    def close(self) -> None:
-        """Forget the group; abort sequences that have not finished (client went away)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.frontend.forget(self)
 
 
 class Frontend:
     def __init__(
         self,
         addresses: sockets.IpcAddresses,
-        metrics: ServerMetrics,
+        observers: Observers | None = None,
         request_timeout: float | None = None,
         health_timeout: float = DEFAULT_HEALTH_TIMEOUT_S,
     ) -> None:
         self.addresses = addresses
-        self.metrics = metrics
+        self.observers = observers or Observers()
         self.request_timeout = request_timeout
         self.health_timeout = health_timeout
-        self.ping_interval = min(PING_INTERVAL_S, health_timeout / 4)
-        # When the oldest ping not yet answered was sent (None: the last one was answered),
-        # and when outputs last arrived (for /health_generate): monotonic seconds.
-        self.unanswered_since: float | None = None
+        self.heartbeat = Heartbeat(lambda timeout: self.control("ping", timeout), health_timeout)
+        # When outputs last arrived (for /health_generate): monotonic seconds.
         self.last_output_at = float("-inf")
         self._heartbeat_task: asyncio.Task[None] | None = None
         self.draining = False
@@ -212,7 +76,8 @@ class Frontend:
         self._inbox_fd = fd
         self.loop.add_reader(fd, self._drain_inbox)
         self._drain_inbox()  # the descriptor signals edges: take what came before the reader
-        self._heartbeat_task = self.loop.create_task(self._heartbeat())
+        alive = lambda: self.dead_reason is None  # noqa: E731
+        self._heartbeat_task = self.loop.create_task(self.heartbeat.run(alive))
 
     async def stop(self) -> None:
         self.dead_reason = self.dead_reason or "the server is shutting down"
@@ -235,7 +100,7 @@ class Frontend:
         if self.dead_reason is not None:
             raise ServiceUnavailable(self.dead_reason)
         if self.draining:
-            self.metrics.rejected.labels("shutting_down").inc()
+            self.observers.on_rejected("shutting_down")
             raise Draining("the server is shutting down and accepts no new requests")
         for item in items:
             item.rid = next(self.rids)
@@ -244,7 +109,7 @@ class Frontend:
         except (OverflowError, TypeError, ValueError) as exc:
             # e.g. an integer beyond 64 bits that pydantic accepted: the client's mistake.
             raise ValueError(f"the request holds a value that is out of range: {exc}") from None
-        group = RequestGroup(self, [item.rid for item in items])
+        group = RequestGroup(self.forget, [item.rid for item in items])
         group.probe = probe
         for rid in group.rids:
             self.groups[rid] = group
@@ -269,7 +134,7 @@ class Frontend:
             self.groups.pop(rid, None)
         if unfinished and self.dead_reason is None:
             if not group.probe:
-                self.metrics.aborted_requests.inc(len(unfinished))
+                self.observers.on_aborted("client_gone", len(unfinished))
             sockets.send(self.to_worker, AbortRequests(unfinished))
 
     def _expire(self, group: RequestGroup) -> None:
@@ -280,7 +145,7 @@ class Frontend:
             f"the request exceeded the server's request timeout ({timeout:g}s) and was aborted"
         )
         n = self.abort_group(group, message, 504)
-        self.metrics.server_aborts.labels("timeout").inc(n)
+        self.observers.on_aborted("timeout", n)
 
     def abort_group(self, group: RequestGroup, message: str | None, status: int) -> int:
         """End the group's unfinished sequences with an error output (what its HTTP response
@@ -338,37 +203,9 @@ class Frontend:
         finally:
             self.controls.pop(cid, None)
 
-    # ------------------------------------------------------------ liveness
-    async def _heartbeat(self) -> None:
-        """Ping the scheduler (through the tokenizer worker: the whole request path) every
-        ``ping_interval`` seconds, one ping in flight at a time. A ping still unanswered after
-        the health timeout is sent again (its late answer is dropped) but the stall is dated
-        from the first one, so a hung loop stays unhealthy until it answers."""
-        while self.dead_reason is None:
-            if self.unanswered_since is None:
-                self.unanswered_since = time.monotonic()
-            try:
-                await self.control("ping", self.health_timeout)
-            except asyncio.TimeoutError:
-                continue
-            except ServiceUnavailable:
-                return
-            self.unanswered_since = None
-            await asyncio.sleep(self.ping_interval)
-
     def stalled(self) -> str | None:
-        """Why the engine looks hung (a ping unanswered for longer than the health timeout),
-        or None. Cheap: reads what the heartbeat recorded."""
-        since = self.unanswered_since
-        if since is None:
-            return None
-        waited = time.monotonic() - since
-        if waited <= self.health_timeout:
-            return None
-        return (
-            f"the scheduler has not answered a liveness ping for {waited:.0f}s "
-            f"(health timeout {self.health_timeout:g}s): it looks hung"
-        )
+        """Why the engine looks hung, or None (see liveness.py)."""
+        return self.heartbeat.stalled()
 
     # ------------------------------------------------------------ receiving
     def _drain_inbox(self) -> None:
@@ -402,7 +239,7 @@ class Frontend:
         if group is None:
             return  # the HTTP request is gone (client disconnected); it was aborted
         if not group.probe:
-            self.metrics.observe_output(group, out, now)
+            self.observers.on_output(group, out, now)
         if out.finished:
             group.unfinished.discard(out.rid)
             self.groups.pop(out.rid, None)
@@ -421,22 +258,3 @@ class Frontend:
         for fut in self.controls.values():
             if not fut.done():
                 fut.set_exception(ServiceUnavailable(reason))
-
-
-def make_items(
-    prompts: list[Any], fields_for_choice: list[dict[str, Any]], **extra: Any
-) -> list[SubmitItem]:
-    """One SubmitItem per (prompt, choice), prompt-major: item i*n + j is prompt i, choice j."""
-    items = []
-    for prompt in prompts:
-        for fields in fields_for_choice:
-            item = SubmitItem(rid=0, params=fields, **extra)
-            if isinstance(prompt, str):
-                item.text = prompt
-            elif prompt and isinstance(prompt[0], dict):
-                item.messages = prompt
-            else:
-                # Already checked to be ints (CompletionRequest.prompts, pydantic): copy only.
-                item.input_ids = list(prompt)
-            items.append(item)
-    return items

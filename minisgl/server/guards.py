@@ -13,7 +13,7 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minisgl.server.errors import error_response
-from minisgl.server.metrics import ServerMetrics
+from minisgl.server.observers import Observers
 
 # Orchestrators and load balancers probe these without credentials. SGLang leaves every path
 # under /health open, /health_generate included: its one-token greedy generation is no more
@@ -33,10 +33,10 @@ def _digest(value: bytes) -> bytes:
 class APIKeyGuard:
     """Every route but the health probes requires ``Authorization: Bearer <key>``; otherwise 401."""
 
-    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, observers: Observers) -> None:
         self.app = app
         self.expected = _digest(api_key.encode("utf-8"))
-        self.metrics = metrics
+        self.observers = observers
 
     def authorized(self, scope: Scope) -> bool:
         for name, value in scope["headers"]:
@@ -50,7 +50,7 @@ class APIKeyGuard:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self.authorized(scope):
             await self.app(scope, receive, send)
             return
-        self.metrics.rejected.labels("unauthorized").inc()
+        self.observers.on_rejected("unauthorized")
         # Never echo what the client sent: it may be a real key meant for another service.
         response = error_response(
             401,
@@ -66,10 +66,10 @@ class BodySizeLimit:
     crossed). The body is read here and handed to the route in one piece; later messages
     (the client's disconnect, which streaming responses watch for) pass through unchanged."""
 
-    def __init__(self, app: ASGIApp, limit: int, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, limit: int, observers: Observers) -> None:
         self.app = app
         self.limit = limit
-        self.metrics = metrics
+        self.observers = observers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -109,7 +109,7 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.metrics.rejected.labels("body_too_large").inc()
+        self.observers.on_rejected("body_too_large")
         response = error_response(
             413,
             f"the request body is larger than this server's limit of {self.limit} bytes "

@@ -18,204 +18,22 @@ tokenizer) and exits when they do: when node 0 stops (0), or when a rank fails (
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
-import queue
-import shutil
 import signal
 import socket
-import tempfile
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
-from multiprocessing.connection import wait as wait_sentinels
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from minisgl.config import EngineConfig
-from minisgl.ipc.child import LOG_FORMAT, ChildReport
-from minisgl.ipc.sockets import IpcAddresses
+from minisgl.ipc.child import LOG_FORMAT
+from minisgl.server.args import ServerArgs
+from minisgl.server.runtime import Runtime, StartupError
 
 if TYPE_CHECKING:
+    from minisgl.server.shutdown import GracefulServer
     from minisgl.server.state import ServerState
 
 logger = logging.getLogger("minisgl.server")
-
-STARTUP_TIMEOUT_S = 1800.0  # first run may download a model
-STOP_GRACE_S = 5.0
-RELEASE_WAIT_S = 2.0  # how long the other TP ranks get to leave once rank 0 released them
-
-
-@dataclass(frozen=True)
-class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 1919
-    served_model_name: str | None = None
-    log_level: str = "info"
-    api_key: str | None = field(default=None, repr=False)  # never printed, see __repr__
-    max_queued_requests: int | None = None  # waiting requests beyond this get 503
-    request_timeout: float | None = None  # seconds from arrival to abort
-    health_timeout: float = 60.0  # an unanswered liveness ping makes /health 503 after this
-    max_request_bytes: int = 8 << 20
-    shutdown_timeout: float = 30.0  # SIGTERM: how long running requests may still take
-    reasoning_parser: str | None = None  # chat replies: thinking into reasoning_content
-
-    def __repr__(self) -> str:
-        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr]
-        shown.append(f"api_key={'<set>' if self.api_key else None}")
-        return f"ServerArgs({', '.join(shown)})"
-
-
-class StartupError(RuntimeError):
-    pass
-
-
-@dataclass
-class Runtime:
-    """The child processes of one server run, and the directory holding their sockets."""
-
-    run_dir: Path
-    addresses: IpcAddresses
-    procs: dict[str, Any] = field(default_factory=dict)
-    infos: dict[str, dict[str, Any]] = field(default_factory=dict)
-    failure: str | None = None
-    stopping: bool = False
-
-    @classmethod
-    def start(
-        cls, config: EngineConfig, log_level: str, max_queued_requests: int | None = None
-    ) -> Runtime:
-        from minisgl.distributed.topology import Topology, with_init_addr
-        from minisgl.server.scheduler_process import SchedulerArgs, run_scheduler
-        from minisgl.tokenizer.worker import WorkerArgs, run_worker
-
-        config = with_init_addr(config)  # one node: the ranks meet at a free local port
-        topo = Topology.of(config)
-        run_dir = Path(tempfile.mkdtemp(prefix="minisgl-"))
-        logger.info("run directory (sockets, tokenizer copy): %s", run_dir)
-        rt = cls(run_dir, IpcAddresses.in_dir(run_dir))
-        ctx = mp.get_context("spawn")
-        reports = ctx.Queue()
-        copy_dir = str(run_dir / "tokenizer")
-        pid = os.getpid()
-        try:
-            targets: dict[str, tuple[Callable[..., None], Any]] = {
-                f"scheduler-tp{rank}": (
-                    run_scheduler,
-                    SchedulerArgs(
-                        config, rt.addresses, copy_dir, pid, rank, log_level, max_queued_requests
-                    ),
-                )
-                for rank in topo.node_ranks
-            }
-            if topo.holds_rank0:  # only node 0 talks to clients
-                targets["tokenizer"] = (
-                    run_worker,
-                    WorkerArgs(
-                        config.model, config.tokenizer, rt.addresses, copy_dir, pid, log_level
-                    ),
-                )
-            for name, (target, args) in targets.items():
-                proc = ctx.Process(
-                    target=target, args=(args, reports), name=f"minisgl-{name}", daemon=True
-                )
-                proc.start()
-                rt.procs[name] = proc
-            rt._wait_ready(reports)
-        except BaseException:
-            rt.shutdown()
-            raise
-        return rt
-
-    def _wait_ready(self, reports: Any) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while len(self.infos) < len(self.procs):
-            report = self._next_report(reports, deadline)
-            if not report.ok:
-                raise StartupError(f"{report.name} failed to start:\n{report.error}")
-            logger.info("%s ready (pid %d)", report.name, self.procs[report.name].pid)
-            self.infos[report.name] = report.info
-
-    def _next_report(self, reports: Any, deadline: float) -> ChildReport:
-        while True:
-            try:
-                return reports.get(timeout=0.5)  # type: ignore[no-any-return]
-            except queue.Empty:
-                pass
-            dead = [n for n, p in self.procs.items() if n not in self.infos and not p.is_alive()]
-            if dead:
-                try:  # a child that fails reports why before it exits: prefer its own words
-                    return reports.get(timeout=1.0)  # type: ignore[no-any-return]
-                except queue.Empty:
-                    code = self.procs[dead[0]].exitcode
-                    msg = f"{dead[0]} exited with code {code} during startup"
-                    raise StartupError(msg) from None
-            if time.monotonic() > deadline:
-                raise StartupError(f"children not ready after {STARTUP_TIMEOUT_S:.0f}s")
-
-    def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(reason)`` (from a thread) when any child exits unexpectedly."""
-
-        def run() -> None:
-            sentinels = {proc.sentinel: name for name, proc in self.procs.items()}
-            ready = wait_sentinels(list(sentinels))
-            if self.stopping:
-                return
-            name = sentinels[ready[0]]  # type: ignore[index]
-            code = self.procs[name].exitcode
-            self.failure = f"the {name} process died (exit code {code})"
-            logger.error("%s; shutting down", self.failure)
-            on_death(self.failure)
-
-        threading.Thread(target=run, name="minisgl-watchdog", daemon=True).start()
-
-    def wait_all(self) -> int:
-        """Block until every child has exited: 0 if all exited cleanly; 1 as soon as one
-        fails (the caller then stops the rest)."""
-        while True:
-            codes = {p.sentinel: p.exitcode for p in self.procs.values()}
-            if any(code not in (None, 0) for code in codes.values()):
-                return 1
-            running = [sentinel for sentinel, code in codes.items() if code is None]
-            if not running:
-                return 0
-            wait_sentinels(running)  # the codes read once: an empty list would wait forever
-
-    def shutdown(self) -> None:
-        """Stop every child, rank 0 (and the tokenizer) first: told to stop (SIGTERM), rank 0
-        leaves its loop and releases the other ranks, here and on other nodes, which then exit
-        on their own. A rank stopped before that would make the release fail."""
-        self.stopping = True
-        deadline = time.monotonic() + STOP_GRACE_S
-        followers = {n: p for n, p in self.procs.items() if _is_follower_rank(n)}
-        self._stop({n: p for n, p in self.procs.items() if n not in followers}, deadline)
-        # Released by rank 0, the other ranks need a moment to leave (and to pass the word on).
-        patience = RELEASE_WAIT_S if "scheduler-tp0" in self.procs else 0.0
-        self._stop(followers, deadline, patience)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-
-    @staticmethod
-    def _stop(procs: dict[str, Any], deadline: float, patience: float = 0.0) -> None:
-        """Let ``procs`` exit on their own for up to ``patience`` seconds, then terminate
-        them; kill those still alive at ``deadline``."""
-        patient_until = min(deadline, time.monotonic() + patience)
-        for proc in procs.values():
-            proc.join(max(0.0, patient_until - time.monotonic()))
-        for proc in procs.values():
-            if proc.is_alive():
-                proc.terminate()
-        for name, proc in procs.items():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                logger.warning("%s did not stop within %.0fs; killing it", name, STOP_GRACE_S)
-                proc.kill()
-                proc.join(1.0)
-            logger.debug("%s exited with code %s", name, proc.exitcode)
-
-
-def _is_follower_rank(name: str) -> bool:
-    return name.startswith("scheduler-tp") and name != "scheduler-tp0"
 
 
 def default_served_name(config: EngineConfig) -> str:
@@ -243,7 +61,7 @@ class _Stop(Exception):
     """Raised by our SIGTERM handler so that cleanup runs."""
 
 
-def _raise_stop(signum: int, frame: Any) -> None:
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise _Stop()
 
 
@@ -288,10 +106,11 @@ def _serve_node_ranks(config: EngineConfig, args: ServerArgs) -> int:
     runtime: Runtime | None = None
     try:
         runtime = Runtime.start(config, args.log_level)
+        ranks = sorted(runtime.procs)
+        addr = config.dist_init_addr
         logger.info(
-            "node %d: TP ranks %s ready; node 0 (%s) serves the API",
-            config.node_rank, sorted(runtime.procs), config.dist_init_addr,
-        )  # fmt: skip
+            "node %d: TP ranks %s ready; node 0 (%s) serves the API", config.node_rank, ranks, addr
+        )
         return runtime.wait_all()
     except (KeyboardInterrupt, _Stop):
         return 0
@@ -305,34 +124,37 @@ def _serve_node_ranks(config: EngineConfig, args: ServerArgs) -> int:
 
 def _make_server(
     config: EngineConfig, args: ServerArgs, runtime: Runtime, started: float, port: int
-) -> tuple[Any, ServerState]:
+) -> tuple[GracefulServer, ServerState]:
     import uvicorn
 
     from minisgl.server.app import create_app
+    from minisgl.server.chat_hooks import chat_hook
     from minisgl.server.frontend import Frontend
-    from minisgl.server.metrics import ServerMetrics
+    from minisgl.server.observers import make_observers
     from minisgl.server.shutdown import GracefulServer
     from minisgl.server.state import ModelInfo, ServerState
 
     engine_info = runtime.infos["scheduler-tp0"]
     info = ModelInfo(
         served_model_name=args.served_model_name or default_served_name(config),
-        model_path=engine_info["model_path"],
-        context_length=int(engine_info["context_length"]),
+        model_path=str(engine_info["model_path"]),
+        context_length=int(str(engine_info["context_length"])),
         engine=engine_info,
     )
-    metrics = ServerMetrics()
-    frontend = Frontend(runtime.addresses, metrics, args.request_timeout, args.health_timeout)
-    state = ServerState(info, frontend, metrics, int(time.time()), args.reasoning_parser)
+    frontend = Frontend(
+        runtime.addresses, make_observers(), args.request_timeout, args.health_timeout
+    )
+    state = ServerState(info, frontend, int(time.time()), chat_hook(args))
 
     def on_started() -> None:
         from minisgl.ipc.child import freeze_startup_heap
 
         freeze_startup_heap()  # uvicorn and the app are loaded by now
+        took = time.perf_counter() - started
+        name = info.served_model_name
         logger.info(
-            "minisgl serving %s at http://%s:%d (startup took %.1fs)",
-            info.served_model_name, args.host, port, time.perf_counter() - started,
-        )  # fmt: skip
+            "minisgl serving %s at http://%s:%d (startup took %.1fs)", name, args.host, port, took
+        )
 
     app = create_app(
         state, on_started, api_key=args.api_key, max_request_bytes=args.max_request_bytes

@@ -6,17 +6,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
-from minisgl.extensions.speculative.report import spec_report
-from minisgl.ipc.messages import ControlReply, TextOutput
-from minisgl.server.errors import APIError, bad_request
-from minisgl.server.frontend import RequestGroup, SequenceResult, ServiceUnavailable, make_items
-from minisgl.server.protocol import GenerateRequest, choice_params
+from minisgl.ipc.messages import ControlReply, JSONDict, SubmitItem, TextOutput
+from minisgl.server.errors import APIError, ServiceUnavailable, bad_request
+from minisgl.server.native_protocol import GenerateRequest
+from minisgl.server.reports import usage_reports
+from minisgl.server.request_group import RequestGroup, SequenceResult, make_items
 from minisgl.server.state import ServerState, server_state
 from minisgl.server.streaming import respond, sse, sse_stream
 
@@ -25,7 +24,7 @@ router = APIRouter()
 IDLE_WAIT_S = 60.0  # control requests that need an idle scheduler wait at most this long
 
 
-def finish_reason(r: SequenceResult) -> dict[str, Any] | None:
+def finish_reason(r: SequenceResult) -> JSONDict | None:
     if r.finish_reason is None:
         return None
     if r.finish_reason == "stop":
@@ -35,10 +34,8 @@ def finish_reason(r: SequenceResult) -> dict[str, Any] | None:
     return {"type": "abort", "message": r.error or "aborted"}
 
 
-def _item(
-    rid: str, r: SequenceResult, arrival: float, with_logprobs: bool, speculative: bool
-) -> dict[str, Any]:
-    meta: dict[str, Any] = {
+def _item(rid: str, r: SequenceResult, arrival: float, with_logprobs: bool) -> JSONDict:
+    meta: JSONDict = {
         "id": rid,
         "finish_reason": finish_reason(r),
         "prompt_tokens": r.prompt_tokens,
@@ -46,8 +43,8 @@ def _item(
         "cached_tokens": r.cached_tokens,
         "e2e_latency": time.perf_counter() - arrival,
     }
-    if speculative:
-        meta.update(spec_report(r.spec_verify_steps, r.spec_draft_tokens, r.spec_accepted_tokens))
+    for report in usage_reports([r.counters]):
+        meta.update(report.meta_info)
     if with_logprobs:
         meta["output_token_logprobs"] = [[e.logprob, e.token_id, e.token] for e in r.logprobs]
         meta["output_top_logprobs"] = [
@@ -61,22 +58,20 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     state = server_state(request)
     try:
         prompts, is_batch = body.prompts()
-        fields = body.sampling_fields()
+        params = body.to_sampling_params()
     except ValueError as exc:
         raise bad_request(exc) from None
-    n = fields["n"]
-    choices = [choice_params(fields, i) for i in range(n)]
-    group = state.submit(make_items(prompts, choices, priority=body.priority or 0))
+    n = params.n
+    choices = [params.for_choice(i) for i in range(n)]
+    group = state.submit(make_items(prompts, choices, SubmitItem(0, priority=body.priority or 0)))
     base = body.rid or uuid.uuid4().hex
     state.frontend.name(group, base)
     ids = [base] if len(group.rids) == 1 else [f"{base}-{i}" for i in range(len(group.rids))]
     single = not is_batch and n == 1
-    spec = state.speculative
 
-    def full(results: list[SequenceResult]) -> Any:
+    def full(results: list[SequenceResult]) -> object:
         items = [
-            _item(ids[i], r, group.arrival, body.return_logprob, spec)
-            for i, r in enumerate(results)
+            _item(ids[i], r, group.arrival, body.return_logprob) for i, r in enumerate(results)
         ]
         return items[0] if single else items
 
@@ -85,7 +80,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         results = [SequenceResult() for _ in group.rids]
 
         def render(i: int, out: TextOutput | None = None) -> str:
-            event = _item(ids[i], results[i], group.arrival, body.return_logprob, spec)
+            event = _item(ids[i], results[i], group.arrival, body.return_logprob)
             return sse(event if single else {**event, "index": i})
 
         def render_abort(j: int, error: str) -> str:
@@ -127,7 +122,7 @@ async def abort_request(body: AbortRequest, request: Request) -> Response:
         n = state.frontend.abort_named(body.rid)
     else:
         raise bad_request("rid must be given, or abort_all true")
-    state.metrics.server_aborts.labels("abort_request").inc(n)
+    state.frontend.observers.on_aborted("abort_request", n)
     return JSONResponse({"success": True, "aborted": n})
 
 

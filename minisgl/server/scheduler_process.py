@@ -17,41 +17,32 @@ ends it releases the other ranks (`RankSync.stop`).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import logging
 import signal
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from multiprocessing.queues import Queue
+from typing import TYPE_CHECKING
 
 import zmq
 
 from minisgl.config import EngineConfig
 from minisgl.distributed.topology import Topology
-from minisgl.ipc import sockets
-from minisgl.ipc.child import (
-    freeze_startup_heap,
-    parent_alive,
-    run_child,
-    setup_child,
-    startup_report,
-)
+from minisgl.ipc import child, sockets
 from minisgl.ipc.messages import (
     AbortRequests,
     AddRequests,
-    ControlReply,
     ControlRequest,
     StepOutputs,
     TokenOutput,
 )
-from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.outputs import error_output, token_output
 from minisgl.scheduler.stop import LazyDecoder, StopStringDecoder
+from minisgl.server.scheduler_control import LoopControl, abort_phase, fit_context
 
 if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
     from minisgl.scheduler.request import Req
 
 # torch and the engine are imported inside the child only: the server process imports this
@@ -60,9 +51,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 500  # an idle scheduler wakes this often to check on its parent
-# The leak guard checks KV integrity whenever the scheduler has gone idle after doing work,
-# at most this often (the check walks the whole prefix cache).
-INTEGRITY_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -76,14 +64,14 @@ class SchedulerArgs:
     max_queued_requests: int | None = None  # None: queue without limit
 
 
-def run_scheduler(args: SchedulerArgs, report_queue: Any) -> None:
+def run_scheduler(args: SchedulerArgs, report_queue: Queue[child.ChildReport]) -> None:
     """Entry point of the scheduler process (spawned)."""
-    setup_child(args.log_level)
-    run_child(lambda: _serve(args, report_queue))
+    child.setup_child(args.log_level)
+    child.run_child(lambda: _serve(args, report_queue))
 
 
-def _serve(args: SchedulerArgs, report_queue: Any) -> None:
-    with startup_report(f"scheduler-tp{args.tp_rank}", report_queue) as ready:
+def _serve(args: SchedulerArgs, report_queue: Queue[child.ChildReport]) -> None:
+    with child.startup_report(f"scheduler-tp{args.tp_rank}", report_queue) as ready:
         from minisgl.distributed import TPInfo
         from minisgl.distributed.group import share_cpu_threads
         from minisgl.engine.engine import Engine, pick_device
@@ -105,10 +93,9 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
                 "page_size": args.config.page_size,
                 "model_path": str(engine.resolved.path),
                 "device": str(engine.device),
-                "speculative_algorithm": _speculative_algorithm(args.config),
             }
         )
-        freeze_startup_heap()
+        child.freeze_startup_heap()
         loop.run()
     if tp.size > 1:
         # Leave gloo/NCCL before the interpreter exits: tearing down a live group at exit
@@ -119,7 +106,7 @@ def _serve(args: SchedulerArgs, report_queue: Any) -> None:
 
 
 class SchedulerLoop:
-    def __init__(self, engine: Any, args: SchedulerArgs) -> None:
+    def __init__(self, engine: Engine, args: SchedulerArgs) -> None:
         from minisgl.scheduler.scheduler import Scheduler
         from minisgl.tp.mirror import RankState
         from minisgl.tp.server_sync import RankSync
@@ -131,7 +118,7 @@ class SchedulerLoop:
         # (a server flag the other nodes need not be given).
         self.sync = RankSync(engine.tp)
         self.sync.require_same(dataclasses.replace(args.config, node_rank=0), "engine flags")
-        self.max_queued = self.sync.share(args.max_queued_requests)
+        max_queued = self.sync.share(args.max_queued_requests)
         self.decoder = server_decoder(engine, args.config, args.tokenizer_copy_dir)
         self.scheduler = Scheduler(engine, decode=self.decoder)
         # Steps and aborts go through it: it folds what each step produced into a digest,
@@ -139,22 +126,18 @@ class SchedulerLoop:
         self.state = RankState(self.scheduler, engine.tp.rank)
         self.context_length = self.scheduler.context_length
         self.ctx = zmq.Context()
-        self.inbox: zmq.Socket[Any] | None = None
-        self.outbox: zmq.Socket[Any] | None = None
+        self.inbox: sockets.Socket | None = None
+        self.outbox: sockets.Socket | None = None
         if self.sync.reads_inbox:
             self.inbox = sockets.bind_pull(self.ctx, args.addresses.scheduler)
             self.outbox = sockets.connect_push(self.ctx, args.addresses.worker)
         self.live: dict[int, Req] = {}
         self.reported: dict[int, int] = {}  # output tokens already sent, per request
-        self.wait_for_idle: list[ControlRequest] = []
         self.keep_running = True  # cleared by stop() (in-process use, e.g. tests)
-        self.rejected_queue_full = 0
-        self.aborts = dict.fromkeys(("waiting", "prefill", "decode"), 0)  # by phase
-        # Leak guard state: whether anything ran since the last check, and when that was.
-        self.dirty = False
-        self.last_check = float("-inf")
-        self.integrity_checks = 0
-        self.integrity_violations = 0
+        self.control = LoopControl(
+            self.scheduler, self.state, self.sync, self._send, lambda: len(self.live)
+        )
+        self.control.max_queued = max_queued
 
     # ------------------------------------------------------------ loop
     def run(self) -> None:
@@ -177,7 +160,7 @@ class SchedulerLoop:
         except Exception as exc:  # a rank is gone already: the server stops the rest
             logger.warning("could not release the other TP ranks: %s", exc)
 
-    def _next_messages(self) -> list[Any] | None:
+    def _next_messages(self) -> list[object] | None:
         """This iteration's messages, the same list on every rank; None: leave the loop.
         Only rank 0 reads the inbox, and only rank 0 decides to stop."""
         if not self.sync.reads_inbox:
@@ -185,14 +168,14 @@ class SchedulerLoop:
         if not self.keep_running:
             return None
         assert self.inbox is not None
-        idle = not self.scheduler.has_work and not self.wait_for_idle
+        idle = not self.scheduler.has_work and not self.control.wait_for_idle
         msgs = sockets.recv_all(self.inbox, IDLE_POLL_MS if idle else 0)
-        if idle and not msgs and not parent_alive(self.parent_pid):
+        if idle and not msgs and not child.parent_alive(self.parent_pid):
             logger.warning("parent process is gone; exiting")
             return None
         return self.sync.exchange(msgs)
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: object) -> None:
         if self.outbox is not None:  # rank 0 speaks for every rank
             sockets.send(self.outbox, msg)
 
@@ -207,56 +190,49 @@ class SchedulerLoop:
             # Anything that may have moved pages (requests, aborts, steps) re-arms the guard;
             # stats scrapes do not, so an idle server is not checked over and over.
             moved = any(isinstance(m, AddRequests | AbortRequests) for m in msgs)
-            self.dirty = self.dirty or moved or self.scheduler.has_work
+            self.control.dirty = self.control.dirty or moved or self.scheduler.has_work
             if self.scheduler.has_work:
                 outputs += self._step()
             if outputs:
                 self._send(StepOutputs(outputs))
             if not self.scheduler.has_work:
-                # Idle-time work changes no scheduler state, so on each rank it may run on
-                # that rank's own clock (the leak guard) or cache (the tokenizer).
-                self._answer_idle_requests()
-                self._idle_integrity_check()
+                # Idle-time work changes no scheduler state (each rank may do it on its own
+                # clock): control replies, the leak guard, warming the tokenizer.
+                self.control.on_idle()
                 if isinstance(self.decoder, StopStringDecoder):
                     self.decoder.preload()
 
-    def _handle(self, msg: Any, outputs: list[TokenOutput]) -> None:
+    def _handle(self, msg: object, outputs: list[TokenOutput]) -> None:
         if isinstance(msg, AddRequests):
             self._add(msg, outputs)
         elif isinstance(msg, AbortRequests):
             for rid in msg.rids:
-                phase = _phase(self.live[rid]) if rid in self.live else None
-                req = self.state.op_abort(rid)
-                if req is not None and phase is not None:
-                    self.aborts[phase] += 1
-                if req is not None and rid in self.live:
-                    outputs.append(self._progress(req))
+                self._abort(rid, outputs)
         elif isinstance(msg, ControlRequest):
-            if msg.kind == "ping":  # liveness (server/frontend.py): the loop is turning
-                self._send(ControlReply(msg.cid, True))
-            elif msg.kind == "stats":
-                if self.sync.reads_inbox:  # a read of rank 0's state: no other rank is needed
-                    self._send(ControlReply(msg.cid, True, self._stats()))
-            elif msg.kind in ("integrity", "flush_cache"):
-                self.wait_for_idle.append(msg)
-            else:
-                self._send(ControlReply(msg.cid, False, {"error": f"unknown {msg.kind!r}"}))
+            self.control.handle(msg)
         else:
             logger.error("unexpected message %r", type(msg).__name__)
 
+    def _abort(self, rid: int, outputs: list[TokenOutput]) -> None:
+        live = self.live.get(rid)
+        phase = abort_phase(live) if live is not None else None  # before the abort moves it
+        req = self.state.op_abort(rid)
+        if req is not None and phase is not None:
+            self.control.aborts[phase] += 1
+        if req is not None and rid in self.live:
+            outputs.append(self._progress(req))
+
     # ------------------------------------------------------------ requests
     def _add(self, msg: AddRequests, outputs: list[TokenOutput]) -> None:
-        if self._queue_full(len(msg.reqs)):
-            self.rejected_queue_full += 1
-            message = (
-                f"the server is overloaded: {len(self.scheduler.waiting)} requests are already "
-                f"waiting (limit {self.max_queued}); retry later"
-            )
-            outputs += [error_output(r.rid, message, 503) for r in msg.reqs]
+        refusal = self.control.overloaded(len(msg.reqs))
+        if refusal is not None:
+            outputs += [error_output(r.rid, refusal, 503) for r in msg.reqs]
             return
         # Validate every request of the HTTP request before queueing any of them.
         try:
-            params = [self._params(r.input_ids, r.params) for r in msg.reqs]
+            params = [
+                fit_context(r.params, len(r.input_ids), self.context_length) for r in msg.reqs
+            ]
             for r, p in zip(msg.reqs, params, strict=True):
                 self.scheduler.check_request(r.input_ids, p, r.priority)
                 if r.rid in self.live:
@@ -269,29 +245,6 @@ class SchedulerLoop:
                 r.input_ids, p, uid=r.rid, priority=r.priority
             )
             self.reported[r.rid] = 0
-
-    def _queue_full(self, new: int) -> bool:
-        """Would ``new`` more sequences leave more than the limit waiting? Sequences that will
-        take a free request slot at the next step do not count as waiting. An empty queue
-        always accepts, so that a request with many choices is slow, never impossible."""
-        waiting = len(self.scheduler.waiting)
-        if self.max_queued is None or waiting == 0:
-            return False
-        return waiting + new - len(self.scheduler.kv.free_rows) > self.max_queued
-
-    def _params(self, input_ids: list[int], fields: dict[str, Any]) -> SamplingParams:
-        fields = dict(fields)
-        room = self.context_length - len(input_ids)
-        if fields.get("max_tokens") is None:
-            fields["max_tokens"] = max(1, room)  # "as many as fit"
-        elif len(input_ids) < self.context_length and fields["max_tokens"] > room:
-            raise ValueError(
-                f"this model's maximum context length is {self.context_length} tokens, but "
-                f"{len(input_ids) + fields['max_tokens']} were requested ({len(input_ids)} in "
-                f"the prompt, max_tokens={fields['max_tokens']} for the completion); "
-                "reduce the prompt or max_tokens"
-            )
-        return SamplingParams(**fields)
 
     # ------------------------------------------------------------ stepping
     def _step(self) -> list[TokenOutput]:
@@ -331,122 +284,12 @@ class SchedulerLoop:
             del self.live[req.uid], self.reported[req.uid]
         return out
 
-    # ------------------------------------------------------------ control
-    def _answer_idle_requests(self) -> None:
-        for msg in self.wait_for_idle:
-            if msg.kind == "flush_cache":
-                ok = self.scheduler.flush_cache()  # every rank flushes: caches stay identical
-                self._send(ControlReply(msg.cid, ok, self._stats()))
-            else:
-                self._integrity(msg.cid)
-        self.wait_for_idle.clear()
 
-    def _idle_integrity_check(self) -> None:
-        """The leak guard: once idle after work, every page must be free or evictable and
-        every request row free. A violation is logged and counted; serving goes on."""
-        if self.dirty and time.monotonic() - self.last_check >= INTEGRITY_INTERVAL_S:
-            self._check_integrity()
-            trim_heap()
-
-    def _check_integrity(self) -> str | None:
-        self.dirty, self.last_check = False, time.monotonic()
-        self.integrity_checks += 1
-        try:
-            self.scheduler.check_integrity()
-            return None
-        except Exception as exc:  # AssertionError, or the check itself tripping on bad state
-            error = str(exc) or f"integrity check failed ({type(exc).__name__})"
-        self.integrity_violations += 1
-        logger.error(
-            "KV leak detected (integrity violation #%d): %s; running=%d waiting=%d "
-            "free_pages=%d evictable_pages=%d total_pages=%d",
-            self.integrity_violations, error, len(self.scheduler.running),
-            len(self.scheduler.waiting), self.scheduler.kv.allocator.num_free_pages,
-            self.scheduler.kv.cache.evictable_pages, self.engine.pool.num_pages,
-        )  # fmt: skip
-        return error
-
-    def _integrity(self, cid: int) -> None:
-        """Every rank checks its own KV state; rank 0 answers for all of them, and fails the
-        check too if the ranks no longer hold the same state (every step must agree)."""
-        from minisgl.tp.mirror import report_problems
-
-        own = self._check_integrity()
-        reports = self.sync.gather({"rank": self.state.rank, "error": own, **self.state.summary()})
-        if reports is None:
-            return  # not rank 0
-        error = own if len(reports) == 1 else "; ".join(report_problems(reports)) or None
-        if error is not None and own is None:  # only another rank found it: count it here
-            self.integrity_violations += 1
-            logger.error("TP integrity violation: %s", error)
-        data = self._stats()
-        data["ok"], data["error"], data["live_requests"] = error is None, error, len(self.live)
-        data["ranks"] = reports
-        self._send(ControlReply(cid, error is None, data))
-
-    def _stats(self) -> dict[str, Any]:
-        s = self.scheduler
-        stats = s.kv.cache.stats
-        return {
-            "running": len(s.running),
-            "waiting": len(s.waiting),
-            "free_pages": s.kv.allocator.num_free_pages,
-            "evictable_pages": s.kv.cache.evictable_pages,
-            "total_pages": self.engine.pool.num_pages,
-            "page_size": s.page_size,
-            "prefix_hit_rate": stats.hit_rate,
-            "prefix_looked_up_tokens": stats.looked_up_tokens,
-            "prefix_matched_tokens": stats.matched_tokens,
-            "retractions": s.num_retractions,
-            "priority_preemptions": s.num_priority_preemptions,
-            "spec_verify_steps": s.stats.get("spec_rows", 0),
-            "spec_draft_tokens": s.stats.get("spec_drafted", 0),
-            "spec_accepted_tokens": s.stats.get("spec_accepted", 0),
-            "integrity_checks": self.integrity_checks,
-            "integrity_violations": self.integrity_violations,
-            "rejected_queue_full": self.rejected_queue_full,
-            **{f"aborts_{phase}": n for phase, n in self.aborts.items()},
-        }
-
-
-@functools.cache
-def _malloc_trim() -> Any:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the OS, once idle after work. Bursts of large
-    temporaries (long prefills, prompt-logprob logits on CPU) would otherwise keep the
-    process at its high-water mark for good: glibc returns little of it by itself."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-def _phase(req: Req) -> str:
-    """Where an aborted request was: queued (or retracted), still in prefill, or decoding."""
-    from minisgl.scheduler.request import ReqState
-
-    if req.state is ReqState.WAITING:
-        return "waiting"
-    return "prefill" if req.num_generated == 0 else "decode"
-
-
-def server_decoder(engine: Any, config: EngineConfig, copy_dir: str) -> Callable[[list[int]], str]:
+def server_decoder(
+    engine: Engine, config: EngineConfig, copy_dir: str
+) -> Callable[[list[int]], str]:
     """Ranks on node 0 read the tokenizer copy the worker saved; ranks on other nodes have no
     such copy (nor worker) and load the tokenizer themselves, if a request needs it."""
     if Topology.of(config).node_of(engine.tp.rank) == 0:
         return StopStringDecoder(copy_dir)
     return LazyDecoder(engine.resolved, config.tokenizer)
-
-
-def _speculative_algorithm(config: EngineConfig) -> str | None:
-    # Interim: the server decides from this whether responses carry speculation figures.
-    for group in config.extensions:
-        algorithm = getattr(group, "speculative_algorithm", None)
-        if algorithm is not None:
-            return str(algorithm)
-    return None

@@ -61,12 +61,14 @@ class GracefulServer(uvicorn.Server):
         live = frontend.num_live_requests
         logger.info(
             "shutting down: refusing new requests, letting %d running sequence(s) finish "
-            "(up to %gs)", live, grace,
-        )  # fmt: skip
+            "(up to %gs)",
+            live,
+            grace,
+        )
         try:
             if not await frontend.wait_drained(grace):
                 n = frontend.abort_all(SHUTDOWN_MESSAGE, 503)
-                frontend.metrics.server_aborts.labels("shutdown").inc(n)
+                frontend.observers.on_aborted("shutdown", n)
                 logger.warning("aborted %d sequence(s) still running after %gs", n, grace)
         finally:
             # uvicorn now stops listening and waits (briefly) for open responses to be sent.

@@ -1,16 +1,23 @@
-"""What the routes share: model facts from the startup handshake, the IPC frontend, metrics."""
+"""What the routes share: model facts from the startup handshake, the IPC frontend (and the
+observers it reports to), and the chat hook of the extensions."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
-from minisgl.ipc.messages import SubmitItem
-from minisgl.server.errors import APIError, bad_request
-from minisgl.server.frontend import Draining, Frontend, RequestGroup, ServiceUnavailable
-from minisgl.server.metrics import ServerMetrics
+from minisgl.ipc.messages import JSONDict, SubmitItem
+from minisgl.server.chat_hooks import ChatHook, PlainChat
+from minisgl.server.errors import APIError, Draining, ServiceUnavailable, bad_request
+from minisgl.server.frontend import Frontend
+from minisgl.server.request_group import RequestGroup
+
+logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -18,25 +25,19 @@ class ModelInfo:
     served_model_name: str
     model_path: str
     context_length: int
-    engine: dict[str, Any] = field(default_factory=dict)  # the scheduler's ready report
+    engine: JSONDict = field(default_factory=dict)  # the scheduler's ready report
 
 
 @dataclass
 class ServerState:
     info: ModelInfo
     frontend: Frontend
-    metrics: ServerMetrics
     created: int
-    reasoning_parser: str | None = None  # server/reasoning.py
+    chat: ChatHook = field(default_factory=PlainChat)  # tools and reasoning (chat_hooks.py)
 
     @property
     def served_model_name(self) -> str:
         return self.info.served_model_name
-
-    @property
-    def speculative(self) -> bool:
-        """Whether the engine speculates: responses then report the speculation figures."""
-        return bool(self.info.engine.get("speculative_algorithm"))
 
     def submit(self, items: list[SubmitItem]) -> RequestGroup:
         try:
@@ -47,6 +48,15 @@ class ServerState:
             raise APIError(503, f"the engine is not available: {exc}") from None
         except ValueError as exc:
             raise bad_request(exc) from None
+
+    async def refresh_stats(self) -> None:
+        """Fetch the scheduler's stats for the observers (e.g. before /metrics renders)."""
+        try:
+            reply = await self.frontend.control("stats", STATS_TIMEOUT_S)
+        except (asyncio.TimeoutError, ServiceUnavailable):
+            logger.warning("scheduler stats unavailable; serving the last values")
+            return
+        self.frontend.observers.on_stats(reply.data)
 
 
 def server_state(request: Request) -> ServerState:

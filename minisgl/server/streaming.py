@@ -13,16 +13,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from minisgl.extensions.speculative.report import spec_report
-from minisgl.ipc.messages import TextOutput
-from minisgl.server.errors import engine_error, sse_error
-from minisgl.server.frontend import ClientGone, RequestGroup, SequenceResult
+from minisgl.ipc.messages import JSONDict, TextOutput
+from minisgl.server.errors import ClientGone, engine_error, sse_error
+from minisgl.server.reports import usage_reports
+from minisgl.server.request_group import RequestGroup, SequenceResult
 
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499  # nginx's convention; the client never sees it
@@ -33,11 +32,11 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's convention; the client never sees it
 _encode_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
-def sse(payload: dict[str, Any]) -> str:
+def sse(payload: JSONDict) -> str:
     return f"data: {_encode_json(payload)}\n\n"
 
 
-def sse_event(kind: str, payload: dict[str, Any]) -> str:
+def sse_event(kind: str, payload: JSONDict) -> str:
     """A named SSE event (the Responses API's: its name also in the payload's ``type``)."""
     return f"event: {kind}\ndata: {_encode_json({'type': kind, **payload})}\n\n"
 
@@ -86,7 +85,7 @@ async def collect(group: RequestGroup, first: TextOutput) -> list[SequenceResult
 
 
 StreamFn = Callable[[RequestGroup, TextOutput], AsyncIterator[str]]
-FullFn = Callable[[list[SequenceResult]], dict[str, Any]]
+FullFn = Callable[[list[SequenceResult]], object]  # the JSON body
 
 
 async def respond(
@@ -161,29 +160,21 @@ async def sse_stream(
     yield DONE
 
 
-def usage(results: list[SequenceResult], n: int, speculative: bool = False) -> dict[str, Any]:
-    """OpenAI usage: each prompt counted once (not once per choice), completions summed.
-    With speculation, draft tokens kept and rejected go in OpenAI's predicted-output fields
-    (completion_tokens_details), and the spec_* figures of the native API alongside."""
+def usage(results: list[SequenceResult], n: int) -> JSONDict:
+    """OpenAI usage: each prompt counted once (not once per choice), completions summed; then
+    what extensions report from the choices' counters (e.g. speculation's figures)."""
     prompt = cached = 0
     for start in range(0, len(results), n):
         choices = results[start : start + n]
         prompt += max(r.prompt_tokens for r in choices)
         cached += max(r.cached_tokens for r in choices)
     completion = sum(r.completion_tokens for r in results)
-    out: dict[str, Any] = {
+    out: JSONDict = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
-    if speculative:
-        steps = sum(r.spec_verify_steps for r in results)
-        drafted = sum(r.spec_draft_tokens for r in results)
-        accepted = sum(r.spec_accepted_tokens for r in results)
-        out["completion_tokens_details"] = {
-            "accepted_prediction_tokens": accepted,
-            "rejected_prediction_tokens": drafted - accepted,
-        }
-        out.update(spec_report(steps, drafted, accepted))
+    for report in usage_reports([r.counters for r in results]):
+        out.update(report.usage)
     return out

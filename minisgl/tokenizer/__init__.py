@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from minisgl.models.resolve import ResolvedModel
 
+# A Hugging Face tokenizer (PreTrainedTokenizerBase; its methods are typed too loosely to
+# check calls against), or None where a model directory has none.
+Tokenizer = Any
 
-def load_tokenizer(resolved: ResolvedModel, override: str | None = None) -> Any:
+
+def load_tokenizer(resolved: ResolvedModel, override: str | None = None) -> Tokenizer:
     from transformers import AutoTokenizer
 
     if override:
@@ -37,18 +42,18 @@ def trim_stop(text: str, stop: str | list[str] | tuple[str, ...] | None) -> str:
 
 # Arguments render_chat sets itself: a chat_template_kwargs entry may not override them.
 _RESERVED_TEMPLATE_ARGS = frozenset(
-    {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-     "return_dict", "tools", "documents"}
-)  # fmt: skip
+    "conversation messages tokenize add_generation_prompt continue_final_message return_dict "
+    "tools documents".split()
+)
 
 
 def render_chat(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    template_kwargs: dict[str, Any] | None = None,
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, object]],
+    template_kwargs: Mapping[str, object] | None = None,
     continue_final_message: bool = False,
     add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, object]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation through the model's chat template. ``template_kwargs`` go to
     the template itself (e.g. Qwen3's ``enable_thinking``); ``continue_final_message`` leaves

@@ -7,7 +7,8 @@ them, and they are unit-tested without any model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+
+from minisgl.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -22,7 +23,7 @@ class IncrementalDetokenizer:
     nothing is committed while the window ends in U+FFFD (an unfinished character).
     """
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []

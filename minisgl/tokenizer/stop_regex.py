@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import regex
 
@@ -46,13 +45,13 @@ class StopPattern:
     """A compiled stop regex and what the matcher needs to know about it."""
 
     pattern: str
-    compiled: Any
+    compiled: regex.Pattern[str]
     # A prefix of a text can hold a match the text does not ("x(?!y)" in "ax" and "axy"):
     # look for the first match character by character, not once per piece of new text.
     end_sensitive: bool
     # For the hold-back: the pattern whose partial matches tell where a match could still
     # begin, or None when that cannot be told (nothing is released until the end).
-    partial: Any
+    partial: regex.Pattern[str] | None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -84,7 +83,7 @@ def compile_stop_regex(pattern: str) -> StopPattern:
     return StopPattern(pattern, compiled, sensitive, partial)
 
 
-def _relaxed(pattern: str, flags: int) -> Any:
+def _relaxed(pattern: str, flags: int) -> regex.Pattern[str] | None:
     """The pattern with each word-edge assertion also true at the end of the text (where the
     next character is not known yet), and one more character of anything after it: a partial
     match of that is a position where the original may still match. None if not buildable."""

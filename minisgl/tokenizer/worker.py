@@ -14,13 +14,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
+from multiprocessing.queues import Queue
 from pathlib import Path
-from typing import Any
 
 import zmq
 
 from minisgl.ipc import sockets
 from minisgl.ipc.child import (
+    ChildReport,
     freeze_startup_heap,
     parent_alive,
     run_child,
@@ -40,7 +41,7 @@ from minisgl.ipc.messages import (
     TokenizedRequest,
     TokenOutput,
 )
-from minisgl.tokenizer import render_chat
+from minisgl.tokenizer import Tokenizer, render_chat
 from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopStringFilter
 from minisgl.tokenizer.stop_regex import StopRegexFilter
 
@@ -77,13 +78,13 @@ class _Stream:
     first: bool = True
 
 
-def run_worker(args: WorkerArgs, report_queue: Any) -> None:
+def run_worker(args: WorkerArgs, report_queue: Queue[ChildReport]) -> None:
     """Entry point of the worker process (spawned)."""
     setup_child(args.log_level)
     run_child(lambda: _serve(args, report_queue))
 
 
-def _serve(args: WorkerArgs, report_queue: Any) -> None:
+def _serve(args: WorkerArgs, report_queue: Queue[ChildReport]) -> None:
     with startup_report("tokenizer", report_queue) as ready:
         from minisgl.models.resolve import resolve_model_path
         from minisgl.tokenizer import load_tokenizer
@@ -96,7 +97,7 @@ def _serve(args: WorkerArgs, report_queue: Any) -> None:
         worker.run()
 
 
-def save_tokenizer_copy(tokenizer: Any, target: Path) -> None:
+def save_tokenizer_copy(tokenizer: Tokenizer, target: Path) -> None:
     # Write under a temporary name and rename: the directory appears complete or not at all.
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     tokenizer.save_pretrained(str(tmp))
@@ -105,7 +106,7 @@ def save_tokenizer_copy(tokenizer: Any, target: Path) -> None:
 
 
 class Worker:
-    def __init__(self, tokenizer: Any, args: WorkerArgs) -> None:
+    def __init__(self, tokenizer: Tokenizer, args: WorkerArgs) -> None:
         self.tokenizer = tokenizer
         self.parent_pid = args.parent_pid
         self.ctx = zmq.Context()
@@ -141,7 +142,7 @@ class Worker:
             if outputs:
                 sockets.send(self.to_api, TextOutputs(outputs))
 
-    def _handle(self, msg: Any, outputs: list[TextOutput]) -> None:
+    def _handle(self, msg: object, outputs: list[TextOutput]) -> None:
         if isinstance(msg, SubmitRequest):
             self._submit(msg, outputs)
         elif isinstance(msg, StepOutputs):
@@ -174,10 +175,10 @@ class Worker:
         for item, req in zip(msg.items, reqs, strict=True):
             p = item.params
             stream = _Stream(
-                detok=IncrementalDetokenizer(self.tokenizer, p.get("skip_special_tokens", True)),
-                stops=StopStringFilter(p.get("stop") or []),
-                regexes=StopRegexFilter(p["stop_regex"]) if p.get("stop_regex") else None,
-                min_tokens=int(p.get("min_tokens") or 0),
+                detok=IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens),
+                stops=StopStringFilter(p.stop_strings),
+                regexes=StopRegexFilter(p.stop_regexes) if p.stop_regexes else None,
+                min_tokens=p.min_tokens,
             )
             if item.return_prompt_text:
                 stream.prompt_text = (
@@ -214,6 +215,38 @@ class Worker:
             del self.streams[out.rid]
             outputs.append(_error_output(out.rid, out.error, out.error_status or 500, out))
             return
+        text, reason, matched = self._text(stream, out)
+        for lp in (out.logprobs or []) + (out.prompt_logprobs or []):
+            lp.token = self.token_text(lp.token_id)
+            lp.logprob = max(lp.logprob, LOGPROB_FLOOR)
+            for alt in lp.top:
+                alt.token = self.token_text(alt.token_id)
+                alt.logprob = max(alt.logprob, LOGPROB_FLOOR)
+        result = TextOutput(
+            rid=out.rid,
+            text=text,
+            token_ids=out.new_ids,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            finish_reason=reason,
+            matched_stop=matched,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
+            queue_time=out.queue_time,
+            counters=out.counters,
+        )
+        if stream.first:
+            result.prompt_text = stream.prompt_text
+            result.prompt_token_strs = stream.prompt_token_strs
+            stream.first = False
+        if reason is not None:
+            del self.streams[out.rid]
+        outputs.append(result)
+
+    def _text(self, stream: _Stream, out: TokenOutput) -> tuple[str, str | None, int | str | None]:
+        """The text ``out`` adds, and the finish (reason, matched stop) it ends with: the
+        scheduler's, or a stop string / regex found here."""
         finished = out.finish_reason is not None
         text_ids = out.new_ids
         if finished and isinstance(out.matched_stop, int) and text_ids:
@@ -239,38 +272,10 @@ class Worker:
             if stream.regexes.matched is not None:
                 if not finished:  # a safety net only: the scheduler should have ended it
                     sockets.send(self.to_scheduler, AbortRequests([out.rid]))
-                reason, matched, finished = "stop", stream.regexes.matched, True
+                reason, matched = "stop", stream.regexes.matched
             elif finished:
                 text += stream.regexes.flush()
-        for lp in (out.logprobs or []) + (out.prompt_logprobs or []):
-            lp.token = self.token_text(lp.token_id)
-            lp.logprob = max(lp.logprob, LOGPROB_FLOOR)
-            for alt in lp.top:
-                alt.token = self.token_text(alt.token_id)
-                alt.logprob = max(alt.logprob, LOGPROB_FLOOR)
-        result = TextOutput(
-            rid=out.rid,
-            text=text,
-            token_ids=out.new_ids,
-            prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens,
-            cached_tokens=out.cached_tokens,
-            finish_reason=reason,
-            matched_stop=matched,
-            logprobs=out.logprobs,
-            prompt_logprobs=out.prompt_logprobs,
-            spec_verify_steps=out.spec_verify_steps,
-            spec_draft_tokens=out.spec_draft_tokens,
-            spec_accepted_tokens=out.spec_accepted_tokens,
-            queue_time=out.queue_time,
-        )
-        if stream.first:
-            result.prompt_text = stream.prompt_text
-            result.prompt_token_strs = stream.prompt_token_strs
-            stream.first = False
-        if finished:
-            del self.streams[out.rid]
-        outputs.append(result)
+        return text, reason, matched
 
     def _fail(self, rid: int, message: str, outputs: list[TextOutput]) -> None:
         if self.streams.pop(rid, None) is not None:

@@ -162,7 +162,6 @@ class MirroredScheduler:
         item order."""
         full = [(*item, 0) if len(item) == 2 else item for item in items]
         for ids, params, priority in full:  # validate on rank 0: followers never see a bad item
-            params.validate()
             self._local.check_request(ids, params, priority)
         adds = [self._item(next(self._local.uids), ids, p, prio) for ids, p, prio in full]
         return list(self._call("add", adds))
@@ -184,7 +183,6 @@ class MirroredScheduler:
         priority: int = 0,
     ) -> Req:
         if uid is not None:
-            params.validate()
             self._local.check_request(prompt_ids, params, priority)
             return list(self._call("add", [self._item(uid, prompt_ids, params, priority)]))[0]
         return self.add_requests([(prompt_ids, params, priority)])[0]

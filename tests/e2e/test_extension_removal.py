@@ -1,24 +1,34 @@
-"""Every extension can be taken away: with its package made unimportable (in the test's
-process and in every process the server starts, through a sitecustomize on PYTHONPATH), the
-core starts, serves a request through the server and offline, and refuses the extension's
-options with an error naming them.
+"""Every extension can be taken away. With its package made unimportable, in the test's
+child process and in every process the server starts (a sitecustomize on PYTHONPATH), the
+core starts, serves chat, completions and /generate, generates offline the same greedy
+tokens as with every extension, and refuses what the extension adds with an error naming
+it: its options offline and on the command line, its routes (404), its request fields (400).
 
-Each extension under minisgl/extensions/ needs a probe here (test_every_extension_has_a_probe):
-what asking for its feature looks like offline, on the command line and over HTTP."""
+Each package under minisgl/extensions/ needs a probe here (test_every_extension_has_a_probe).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.server_utils import REPO, http, start_server
+from minisgl import LLM, SamplingParams
+from tests.e2e.server_utils import (
+    REPO,
+    ServerHandle,
+    assert_clean_log,
+    http,
+    start_server,
+    wait_idle_and_check,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -37,59 +47,97 @@ class _Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _Block())
 """
 
+PROMPT = [5, 6, 7, 8]
+CHAT = {"messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 3, "ignore_eos": True}
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
 
 @dataclass(frozen=True)
 class Probe:
-    """How the extension's feature is asked for: ``offline`` is Python run after
-    ``llm = LLM(MODEL)`` that must raise ValueError naming ``names``; ``flags`` a command line
-    that must fail naming them; ``http`` (method, path, body, status) what the server answers
-    without it."""
+    """How the extension's features are asked for. ``offline``: a statement (with ``llm``,
+    ``MODEL``, ``QUANTIZED``, ``LLM`` and ``SamplingParams`` in scope) that must raise a
+    ValueError containing ``error``. ``flags``: a command line that must fail naming its
+    first flag. ``http``: (method, path, body, status, the error's ``param``) answers."""
 
-    names: tuple[str, ...]
     offline: str | None = None
+    error: str = ""
     flags: tuple[str, ...] = ()
-    http: tuple[str, str, dict[str, object] | None, int] | None = None
-    extra: dict[str, str] = field(default_factory=dict)
+    http: tuple[tuple[str, str, dict[str, object] | None, int, str | None], ...] = ()
 
 
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 PROBES: dict[str, Probe] = {
     "speculative": Probe(
-        ("speculative_algorithm",),
-        offline="LLM(MODEL, speculative_algorithm='ngram')",
-        flags=("--speculative-algorithm", "ngram"),
+        "LLM(MODEL, speculative_algorithm='ngram')",
+        "unknown option(s): speculative_algorithm",
+        ("--speculative-algorithm", "ngram"),
     ),
     "structured_output": Probe(
-        ("regex",),
-        offline="llm.generate([[5, 6]], SamplingParams(regex='t[0-9]+'))",
-        flags=("--reasoning-parser", "qwen3"),
-        http=(
-            "POST",
-            "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": "t5"}], "tools": TOOLS, "max_tokens": 2},
-            400,
+        "llm.generate([[5, 6]], SamplingParams(regex='t[0-9]+'))",
+        "regex needs structured output",
+        ("--reasoning-parser", "qwen3"),
+        (
+            ("POST", "/v1/chat/completions", {**CHAT, "tools": TOOLS}, 400, "tools"),
+            # Tools the client itself turned off are no error.
+            (
+                "POST",
+                "/v1/chat/completions",
+                {**CHAT, "tools": TOOLS, "tool_choice": "none"},
+                200,
+                None,
+            ),
         ),
+    ),
+    "responses": Probe(http=(("POST", "/v1/responses", {"input": "t5"}, 404, None),)),
+    "metrics": Probe(http=(("GET", "/metrics", None, 404, None),)),
+    "flashinfer": Probe(
+        "LLM(MODEL, attention_backend='flashinfer')", "attention_backend='flashinfer' is invalid"
+    ),
+    "peer_memory": Probe(
+        "LLM(MODEL, disable_custom_all_reduce=True)",
+        "unknown option(s): disable_custom_all_reduce",
+        ("--disable-custom-all-reduce",),
+    ),
+    "quantization": Probe(
+        "LLM(QUANTIZED)", "quantization_config.quant_method='gptq' is not supported"
     ),
 }
 
 CHILD = """
-import sys
-sys.path.insert(0, {repo!r})
-from minisgl import LLM, SamplingParams
-MODEL = {model!r}
+import json
+from minisgl.extension_loader import loaded_extensions
+from minisgl.llm import LLM
+from minisgl.sampling_params import SamplingParams
+
+MODEL, QUANTIZED = {model!r}, {quantized!r}
 llm = LLM(MODEL)
-out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-assert len(out[0]["token_ids"]) == 4, out
-print("served offline")
-probe = {offline!r}
-if probe:
-    try:
-        exec(probe)
-    except ValueError as exc:
-        print("refused:", exc)
-    else:
-        raise SystemExit("the extension's feature was not refused")
+out = llm.generate([{prompt!r}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+error = None
+try:
+    exec({offline!r})
+except ValueError as exc:
+    error = str(exc)
+print(json.dumps({{"loaded": loaded_extensions(), "tokens": out[0]["token_ids"], "error": error}}))
 """
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path) -> list[int]:
+    """The greedy tokens with every extension loaded."""
+    with LLM(str(tiny_model)) as llm:
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        return list(llm.generate([PROMPT], params)[0]["token_ids"])
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's directory, its config declaring a GPTQ checkpoint."""
+    path = tmp_path_factory.mktemp("gptq")
+    for f in tiny_model.iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
 def _environ(tmp: Path, name: str) -> dict[str, str]:
@@ -99,16 +147,31 @@ def _environ(tmp: Path, name: str) -> dict[str, str]:
     return env
 
 
+def _serves_the_core(server: ServerHandle) -> None:
+    status, chat = server.post("/v1/chat/completions", CHAT)
+    assert status == 200 and chat["usage"]["completion_tokens"] == 3, chat
+    body = {"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}
+    status, text = server.post("/v1/completions", body)
+    assert status == 200 and text["choices"][0]["finish_reason"] == "length", text
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    status, native = server.post("/generate", body)
+    assert status == 200 and len(native["output_ids"]) == 3, native
+
+
 def test_every_extension_has_a_probe() -> None:
     packages = {p.parent.name for p in (REPO / "minisgl" / "extensions").glob("*/__init__.py")}
-    assert packages and packages <= set(PROBES), sorted(packages - set(PROBES))
+    assert packages == set(PROBES), sorted(packages ^ set(PROBES))
 
 
 @pytest.mark.parametrize("name", sorted(PROBES))
-def test_core_runs_without(name: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_core_runs_without(
+    name: str, tiny_model: Path, quantized: Path, reference: list[int], tmp_path: Path
+) -> None:
     probe = PROBES[name]
     env = _environ(tmp_path, name)
-    code = CHILD.format(repo=str(REPO), model=str(tiny_model), offline=probe.offline)
+    code = CHILD.format(
+        model=str(tiny_model), quantized=str(quantized), prompt=PROMPT, offline=probe.offline or ""
+    )
     run = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         env=env,
@@ -118,29 +181,24 @@ def test_core_runs_without(name: str, tiny_model: Path, tmp_path: Path) -> None:
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "served offline" in run.stdout
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert name not in got["loaded"] and got["tokens"] == reference, got
     if probe.offline:
-        refused = run.stdout.split("refused:", 1)[1]
-        assert all(n in refused for n in probe.names), refused
+        assert got["error"] is not None and probe.error in got["error"], got
     if probe.flags:
-        cli = subprocess.run(
-            [sys.executable, "-m", "minisgl", "--model", str(tiny_model), *probe.flags],
-            env=env,
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert cli.returncode == 2, cli.stderr[-2000:]
-        assert probe.flags[0] in cli.stderr, cli.stderr[-2000:]
+        cmd = [sys.executable, "-m", "minisgl", "--model", str(tiny_model), *probe.flags]
+        cli = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 2 and probe.flags[0] in cli.stderr, cli.stderr[-2000:]
     server = start_server(["--model", str(tiny_model)], extra_env=env)
     try:
-        status, body = server.post("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3})
-        assert status == 200, body
         assert f"extension {name} is not loaded" in server.log()
-        if probe.http is not None:
-            method, path, payload, want = probe.http
+        _serves_the_core(server)
+        for method, path, payload, want, param in probe.http:
             status, body = http(method, server.url(path), payload)
             assert status == want, json.dumps(body)[:2000]
+            if param is not None:
+                assert body["error"]["param"] == param, body
+        wait_idle_and_check(server)
     finally:
-        assert server.stop() == 0, server.log()[-3000:]
+        assert server.stop(signal.SIGTERM) == 0, server.log()[-3000:]
+    assert_clean_log(server)

@@ -445,10 +445,11 @@ def test_idle_leak_guard_logs_counts_and_keeps_serving(
     from minisgl.config import EngineConfig
     from minisgl.engine.engine import Engine
     from minisgl.ipc import sockets
-    from minisgl.scheduler import process
+    from minisgl.server import scheduler_control
+    from minisgl.server import scheduler_process as process
     from tests.e2e.test_scheduler_process import Harness
 
-    monkeypatch.setattr(process, "INTEGRITY_INTERVAL_S", 0.0)
+    monkeypatch.setattr(scheduler_control, "INTEGRITY_INTERVAL_S", 0.0)
     config = EngineConfig(model=str(tiny_model))
     addresses = sockets.IpcAddresses.in_dir(tmp_path)
     args = process.SchedulerArgs(config, addresses, str(tmp_path / "tok"), os.getppid())

@@ -24,7 +24,7 @@ from minisgl.ipc.messages import (
     TokenizedRequest,
     TokenOutput,
 )
-from minisgl.server.protocol import check_sampling_fields
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.scheduler_process import SchedulerArgs, SchedulerLoop
 
 
@@ -40,9 +40,7 @@ class Harness:
         self.replies: list[ControlReply] = []
 
     def add(self, *reqs: tuple[int, list[int], dict[str, Any]]) -> None:
-        msg = AddRequests(
-            [TokenizedRequest(rid, ids, check_sampling_fields(p)) for rid, ids, p in reqs]
-        )
+        msg = AddRequests([TokenizedRequest(rid, ids, SamplingParams(**p)) for rid, ids, p in reqs])
         sockets.send(self.to_scheduler, msg)
 
     def pump(self, until: Any, timeout: float = 30) -> None:

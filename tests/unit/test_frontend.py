@@ -17,20 +17,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minisgl.ipc import sockets
+from minisgl.ipc.codec import decode, encode, message
 from minisgl.ipc.messages import (
     SubmitItem,
     TextOutput,
     TextOutputs,
     TokenLogprob,
     TokenOutput,
-    decode,
-    encode,
-    message,
 )
 from minisgl.scheduler.scheduler import IN_BATCH_PREFIX_MIN, _shares_prefix
-from minisgl.server.frontend import ClientGone, Frontend, RequestGroup
-from minisgl.server.metrics import ServerMetrics
+from minisgl.server.errors import ClientGone
+from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import MAX_TOKEN_ID, CompletionRequest
+from minisgl.server.request_group import RequestGroup
 
 
 # ---------------------------------------------------------------- codec
@@ -181,7 +180,7 @@ def test_outputs_are_routed_while_requests_keep_arriving(tmp_path: Path) -> None
     addresses = sockets.IpcAddresses.in_dir(tmp_path)
 
     async def run() -> None:
-        frontend = Frontend(addresses, ServerMetrics())
+        frontend = Frontend(addresses)
         await frontend.start()
         ctx = zmq.Context()
         worker = sockets.bind_pull(ctx, addresses.worker)

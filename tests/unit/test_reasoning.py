@@ -1,7 +1,8 @@
-"""Reasoning parsers (server/reasoning.py) and the chat reply parser that combines them with
-tool calls (server/chat_reply.py): whole replies, and the same replies streamed in pieces
-split at every position must give the same reasoning, content and calls; and when a chat
-request's grammar waits for the end of the thinking (protocol.py)."""
+"""Reasoning parsers (extensions/structured_output/reasoning.py) and the chat reply parser
+that combines them with tool calls (chat_reply.py there): whole replies, and the same replies
+streamed in pieces split at every position must give the same reasoning, content and calls;
+and when a chat request's grammar waits for the end of the thinking (the chat hook, chat.py
+there)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,15 @@ import json
 
 import pytest
 
-from minisgl.server.chat_reply import ChatReplyParser
+from minisgl.extensions.structured_output.chat import ReasoningOptions
+from minisgl.extensions.structured_output.chat_reply import ChatReplyParser
+from minisgl.extensions.structured_output.reasoning import (
+    StreamingReasoningParser,
+    split_reasoning,
+)
+from minisgl.server.args import ServerArgs
+from minisgl.server.chat_hooks import chat_hook
 from minisgl.server.protocol import ChatCompletionRequest
-from minisgl.server.reasoning import StreamingReasoningParser, split_reasoning
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
 
@@ -88,4 +95,10 @@ def test_chat_grammar_waits_for_the_thinking(
     """Under a reasoning parser a chat request's grammar applies after "</think>" (the
     scheduler's grammar_after), unless the request switched thinking off."""
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **extra)  # type: ignore[arg-type]
-    assert body.sampling_fields(parser)["grammar_after"] == want
+    hook = chat_hook(ServerArgs(extensions=(ReasoningOptions(parser),)))
+    assert body.to_sampling_params(hook).grammar_after == want
+
+
+def test_reasoning_parser_flag_is_checked() -> None:
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ReasoningOptions("nope")

@@ -72,17 +72,17 @@ def test_greedy_outputs_unchanged(
     out = llm.generate(prompts, params)
     assert [r["token_ids"] for r in out] == reference
     assert_engine_clean(llm)
-    stats = llm.scheduler.stats
-    assert stats["spec_rows"] > 0
+    totals = llm.scheduler.totals
+    assert totals["spec_verify_steps"] > 0
     if draft == "same":  # the draft is the target: every draft is kept
-        assert stats["spec_accepted"] == stats["spec_drafted"] > 0
+        assert totals["spec_accepted_tokens"] == totals["spec_draft_tokens"] > 0
     elif draft == "near":
-        assert 0 < stats["spec_accepted"] < stats["spec_drafted"]
+        assert 0 < totals["spec_accepted_tokens"] < totals["spec_draft_tokens"]
     if "retract" in name or "small-pool" in name:
         assert llm.scheduler.num_retractions > 0, "the small pool was meant to force preemption"
     # Reported per request, and summing to the scheduler's totals.
-    assert sum(r["spec_verify_steps"] for r in out) == stats["spec_rows"]
-    assert sum(r["spec_accepted_tokens"] for r in out) == stats["spec_accepted"]
+    assert sum(r["spec_verify_steps"] for r in out) == totals["spec_verify_steps"]
+    assert sum(r["spec_accepted_tokens"] for r in out) == totals["spec_accepted_tokens"]
 
 
 def test_same_model_draft_accepts_k_plus_one_per_step(tiny_models: dict[str, Path]) -> None:
@@ -122,8 +122,8 @@ def test_sampled_requests_keep_the_drafts_of_an_identical_model(
     ]
     out = llm.generate([[5, 6, 7], [9, 8], [40, 41, 42, 43]] * 4, params)
     assert all(len(r["token_ids"]) == 20 for r in out)
-    stats = llm.scheduler.stats
-    assert stats["spec_accepted"] >= 0.97 * stats["spec_drafted"], stats
+    totals = llm.scheduler.totals
+    assert totals["spec_accepted_tokens"] >= 0.97 * totals["spec_draft_tokens"], totals
     # The same seed gives the same tokens whatever else is in the batch.
     alone = llm.generate([[5, 6, 7]], params[0])[0]["token_ids"]
     assert alone == out[0]["token_ids"]
@@ -148,23 +148,26 @@ def test_draft_model_validation(tiny_models: dict[str, Path], tmp_path: Path) ->
 
 
 def test_spec_metrics() -> None:
+    """The speculative extension's metrics, rendered by the metrics extension: the totals
+    from the scheduler's stats, and per finished request from its counters."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from minisgl.extensions.metrics.prometheus import ServerMetrics
+    from minisgl.extensions.speculative.server import METRICS
     from minisgl.ipc.messages import TextOutput
-    from minisgl.server.metrics import ServerMetrics
 
-    m = ServerMetrics()
+    m = ServerMetrics(METRICS)
     base = {"total_pages": 10, "free_pages": 10, "evictable_pages": 0, "running": 0}
     base |= {"waiting": 0, "prefix_hit_rate": 0.0}
-    m.refresh({**base, "spec_verify_steps": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 9})
-    m.refresh({**base, "spec_verify_steps": 6, "spec_draft_tokens": 18, "spec_accepted_tokens": 9})
+    m.on_stats({**base, "spec_verify_steps": 4, "spec_draft_tokens": 12, "spec_accepted_tokens": 9})
+    m.on_stats({**base, "spec_verify_steps": 6, "spec_draft_tokens": 18, "spec_accepted_tokens": 9})
 
     class Group:
         arrival, last_token_at = 0.0, {}  # type: ignore[var-annotated]
 
-    done = TextOutput(rid=1, text="", token_ids=[], finish_reason="stop")
-    done.spec_verify_steps, done.spec_accepted_tokens = 2, 4
-    m.observe_output(Group(), done, 1.0)  # type: ignore[arg-type]
+    counters = {"spec_verify_steps": 2, "spec_accepted_tokens": 4}
+    done = TextOutput(rid=1, text="", token_ids=[], finish_reason="stop", counters=counters)
+    m.on_output(Group(), done, 1.0)  # type: ignore[arg-type]
     samples = {
         s.name: s.value
         for fam in text_string_to_metric_families(m.render().decode())
@@ -193,5 +196,5 @@ def test_abort_with_a_draft_model(tiny_models: dict[str, Path], phase: str) -> N
     assert s.abort(victim.uid) is victim
     ap._until(s, lambda: other.finished)
     assert other.output_ids == LLM(path).generate([ap.OTHER], ap.GREEDY)[0]["token_ids"]
-    assert s.stats["spec_accepted"] == s.stats["spec_drafted"] > 0
+    assert s.totals["spec_accepted_tokens"] == s.totals["spec_draft_tokens"] > 0
     assert_engine_clean(llm)

@@ -107,7 +107,7 @@ def test_ngram_speculation_keeps_greedy_outputs(tiny_models: dict) -> None:  # t
         llm = LLM(path, speculative_algorithm="ngram", speculative_num_steps=3, page_size=page_size)
         out = [r["token_ids"] for r in llm.generate(prompts, params)]
         assert out == ref
-        assert llm.scheduler.stats.get("spec_accepted", 0) > 0
+        assert llm.scheduler.totals.get("spec_accepted_tokens", 0) > 0
         assert_engine_clean(llm)
     # Sampled requests are verified by rejection sampling: same seed, same tokens.
     llm = LLM(path, speculative_algorithm="ngram")
@@ -137,8 +137,8 @@ def test_draft_model_sampling_follows_the_target(tmp_path_factory: pytest.TempPa
         SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)
     ]
     outs = [r["token_ids"] for r in llm.generate([prompt] * n, params, use_tqdm=False)]
-    stats = llm.scheduler.stats
-    assert 0 < stats["spec_accepted"] < stats["spec_drafted"]  # both branches taken
+    totals = llm.scheduler.totals
+    assert 0 < totals["spec_accepted_tokens"] < totals["spec_draft_tokens"]  # both branches taken
     # Exact joint distribution of tokens 1..3 under the target (HF forwards, fp32).
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     ids = torch.arange(vocab)

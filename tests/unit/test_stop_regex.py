@@ -4,6 +4,7 @@ and the offline API end to end on a tiny model with a word-level tokenizer."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 from minisgl import LLM, SamplingParams
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stop import TokenizerDecoder
-from minisgl.server.protocol import CompletionRequest, GenerateRequest, param_of
+from minisgl.server.errors import param_of
+from minisgl.server.native_protocol import GenerateRequest
+from minisgl.server.protocol import CompletionRequest
 from minisgl.tokenizer.stop_regex import StopRegexFilter
 from tests.conftest import assert_engine_clean
 
@@ -202,11 +205,11 @@ def test_invalid_stop_regex_is_a_value_error_naming_the_field(value: object, wor
 
 def test_http_requests_carry_stop_regex_and_refuse_a_bad_one() -> None:
     body = CompletionRequest(prompt="hi", stop_regex=[r"\d+"])
-    assert body.sampling_fields()["stop_regex"] == [r"\d+"]
+    assert body.to_sampling_params().stop_regex == [r"\d+"]
     native = GenerateRequest(text="hi", sampling_params={"stop_regex": r"\n\n"})
-    assert native.sampling_fields()["stop_regex"] == [r"\n\n"]
+    assert native.to_sampling_params().stop_regex == [r"\n\n"]
     with pytest.raises(ValueError) as info:
-        CompletionRequest(prompt="hi", stop_regex="(").sampling_fields()
+        CompletionRequest(prompt="hi", stop_regex="(").to_sampling_params()
     assert param_of(str(info.value)) == "stop_regex"
 
 
@@ -323,8 +326,8 @@ def test_speculative_decoding_stops_inside_accepted_drafts(
 
 def test_bad_regex_queues_nothing(llm: LLM) -> None:
     p = SamplingParams(temperature=0, max_tokens=4)
-    p.stop_regex = ["ok", "(unclosed"]  # edited after construction: generate re-validates
+    # Frozen: an edit is a new object, validated like the first (before anything is queued).
     with pytest.raises(ValueError, match="stop_regex"):
-        llm.generate([[5, 6, 7], [8, 9]], [FULL, p])
+        llm.generate([[5, 6, 7], [8, 9]], [FULL, replace(p, stop_regex=["ok", "(unclosed"])])
     assert not llm.scheduler.waiting and not llm.scheduler.running
     assert_engine_clean(llm)

@@ -1,4 +1,4 @@
-"""Tool-call parsing (server/tool_calls.py): the Hermes format in full replies and streamed in
+"""Tool-call parsing (extensions/structured_output/tool_calls.py): the Hermes format in full replies and streamed in
 pieces split at every position, validation of tools / tool_choice, and the grammar that a
 forced tool_choice compiles to (accepting exactly one call of the right function with
 schema-valid arguments)."""
@@ -9,14 +9,15 @@ import json
 
 import pytest
 
-from minisgl.server.chat_reply import ChatReplyParser
-from minisgl.server.protocol import ChatCompletionRequest, param_of
-from minisgl.server.tool_calls import (
+from minisgl.extensions.structured_output.chat_reply import ChatReplyParser
+from minisgl.extensions.structured_output.tool_calls import (
     StreamingToolParser,
     call_grammar,
     check_tools,
     parse_tool_calls,
 )
+from minisgl.server.errors import param_of
+from minisgl.server.protocol import ChatCompletionRequest
 
 WEATHER = {
     "type": "function",
@@ -98,9 +99,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool) -> None:
 def test_responses_output_items_follow_parallel_tool_calls(parallel: bool) -> None:
     """/v1/responses applies the chat rule: its whole reply (and the final event of its
     stream) lists every function call, or only the first with parallel_tool_calls false."""
-    from minisgl.server.responses_api import output_items
+    from minisgl.extensions.responses.events import output_items
 
-    items = output_items("msg_1", REPLY, True, parallel)
+    items = output_items("msg_1", REPLY, ChatReplyParser(None, True, parallel))
     assert items[0]["type"] == "message"
     assert items[0]["content"][0]["text"] == "Let me check."
     names = [i["name"] for i in items if i["type"] == "function_call"]
@@ -122,7 +123,7 @@ def test_bad_tools_name_their_field(tools: list, choice: object, field: str) -> 
         check_tools(tools, choice)
     assert param_of(str(err.value)) == field
     with pytest.raises(ValueError) as err:
-        ChatCompletionRequest(messages=MSG, tools=tools, tool_choice=choice).sampling_fields()
+        ChatCompletionRequest(messages=MSG, tools=tools, tool_choice=choice).to_sampling_params()
     assert param_of(str(err.value)) == field
 
 
@@ -150,10 +151,10 @@ def test_forced_choice_grammar_accepts_exactly_one_right_call() -> None:
         assert ok.accept_string(good) and ok.is_completed()
         no = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         assert not (no.accept_string(bad) and no.is_completed())
-    fields = ChatCompletionRequest(
+    params = ChatCompletionRequest(
         messages=MSG, tools=[WEATHER, TIME], tool_choice="required"
-    ).sampling_fields()
-    assert fields["ebnf"] is not None
+    ).to_sampling_params()
+    assert params.ebnf is not None
 
 
 def test_earlier_calls_reach_the_template_as_objects() -> None:
@@ -178,6 +179,6 @@ def test_earlier_calls_reach_the_template_as_objects() -> None:
     msgs = req.message_dicts()
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}
     assert msgs[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
-    assert req.template_fields()["tools"] == [TIME]
+    assert req.submit_base().tools == [TIME]
     no_tools = ChatCompletionRequest(messages=MSG, tools=[TIME], tool_choice="none")
-    assert no_tools.template_fields()["tools"] is None
+    assert no_tools.submit_base().tools is None

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from minisgl.config import EngineConfig, OptionGroup, register_options
 from minisgl.engine.plugins import register_memory_reserve
+from minisgl.extensions.speculative import server
 from minisgl.extensions.speculative.options import SpeculativeOptions, check
 from minisgl.extensions.speculative.report import ACCEPTED, DRAFTED, VERIFY_STEPS, spec_report
 from minisgl.scheduler.plugins import register_counter_report, register_speculator
@@ -58,3 +59,4 @@ register_options(OptionGroup("speculative decoding", SpeculativeOptions, check))
 register_speculator(make_speculator)
 register_memory_reserve(reserve)
 register_counter_report(report)
+server.register()

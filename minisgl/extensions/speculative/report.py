@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-# Per-request counters (Req.counters) the speculator keeps.
+# Per-request counters (Req.counters) and run totals (Scheduler.totals) the speculator keeps.
 VERIFY_STEPS, DRAFTED, ACCEPTED = "spec_verify_steps", "spec_draft_tokens", "spec_accepted_tokens"
 
 
-def spec_report(verify_steps: int, draft_tokens: int, accepted_tokens: int) -> dict[str, Any]:
-    """``spec_accept_length``: tokens emitted per verify step, i.e. the accepted drafts plus
-    the target's own token (K + 1 when every draft is kept); None before any verify step."""
+def accept_length(steps: float, accepted: float) -> float | None:
+    """Tokens emitted per verify step: the accepted drafts plus the target's own token (K + 1
+    when every draft is kept); None before any verify step."""
+    return 1 + accepted / steps if steps else None
+
+
+def spec_report(steps: int, drafted: int, accepted: int) -> dict[str, object]:
     return {
-        "spec_verify_steps": verify_steps,
-        "spec_draft_tokens": draft_tokens,
-        "spec_accepted_tokens": accepted_tokens,
-        "spec_accept_length": 1 + accepted_tokens / verify_steps if verify_steps else None,
+        VERIFY_STEPS: steps,
+        DRAFTED: drafted,
+        ACCEPTED: accepted,
+        "spec_accept_length": accept_length(steps, accepted),
     }

@@ -35,7 +35,7 @@ class SpeculatorBase:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.k = engine.config.ext(SpeculativeOptions).speculative_num_steps
-        self.stats: dict[str, float] = {}
+        self.totals: dict[str, int] = {}
 
     # ------------------------------------------------------------ the method's part
     def plan(self, req: Req) -> int:
@@ -71,7 +71,7 @@ class SpeculatorBase:
         if not (p.is_greedy or plain) or p.uses_penalties or p.wants_logprobs:
             return 0
         room = min(
-            p.max_tokens - req.num_generated - 1,
+            p.max_new_tokens - req.num_generated - 1,
             self.engine.context_length - req.num_tokens - 1,
         )
         return max(0, min(self.k, room))
@@ -114,9 +114,7 @@ class SpeculatorBase:
             req = row.req
             for key, value in ((VERIFY_STEPS, 1), (DRAFTED, row.drafts), (ACCEPTED, n - 1)):
                 req.counters[key] = req.counters.get(key, 0) + value
-            self.stats["spec_rows"] = self.stats.get("spec_rows", 0) + 1
-            self.stats["spec_drafted"] = self.stats.get("spec_drafted", 0) + row.drafts
-            self.stats["spec_accepted"] = self.stats.get("spec_accepted", 0) + n - 1
+                self.totals[key] = self.totals.get(key, 0) + value
             self.verified(row, n - 1)
             emitted.append(toks[:n])
         return emitted

@@ -8,7 +8,7 @@
 
 The text after ``</think>`` (leading newlines dropped) is the content, which tool-call parsing
 then sees. A grammar (response_format, ...) waits for ``</think>`` unless thinking is off: the
-chat route sets ``grammar_after`` (protocol.py; the scheduler's side is scheduler/grammar.py).
+chat hook sets ``grammar_after`` (chat.py; the scheduler's side is scheduler/grammar.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def split_reasoning(text: str, parser: str) -> tuple[str | None, str]:
     return (reasoning if stream.saw_reasoning else None), content
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -73,7 +73,7 @@ class StreamingReasoningParser:
                 self.fresh = False
             at = buf.find(END)
             if at < 0:
-                keep = _partial_suffix(buf, END)
+                keep = partial_suffix(buf, END)
                 self.held = buf[len(buf) - keep :]
                 return buf[: len(buf) - keep], ""
             reasoning, buf = buf[:at], buf[at + len(END) :]

@@ -1,13 +1,12 @@
 """A chat reply as the OpenAI message carries it: thinking in ``reasoning_content``
-(server/reasoning.py), tool calls in ``tool_calls`` (server/tool_calls.py), the rest in
-``content``. One parser per choice serves both streamed and whole replies."""
+(reasoning.py), tool calls in ``tool_calls`` (tool_calls.py), the rest in ``content``. One
+parser per choice serves both streamed and whole replies (the core's `ReplyParser`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from minisgl.server.reasoning import StreamingReasoningParser
-from minisgl.server.tool_calls import StreamingToolParser
+from minisgl.extensions.structured_output.reasoning import StreamingReasoningParser
+from minisgl.extensions.structured_output.tool_calls import StreamingToolParser
+from minisgl.ipc.messages import JSONDict
 
 
 class ChatReplyParser:
@@ -26,11 +25,11 @@ class ChatReplyParser:
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         return self._delta(reasoning, content)
 
-    def finish(self) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    def finish(self) -> tuple[dict[str, str], list[JSONDict]]:
         """(the last delta fields, tool calls) once the reply is complete."""
         reasoning, content = self.reasoning.finish() if self.reasoning else ("", "")
         delta = self._delta(reasoning, content)
-        calls: list[dict[str, Any]] = []
+        calls: list[JSONDict] = []
         if self.tools is not None:
             rest, calls = self.tools.finish()
             if not self.parallel_tool_calls:
@@ -49,17 +48,16 @@ class ChatReplyParser:
             delta["content"] = content
         return delta
 
-    def whole(self, text: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def whole(self, text: str) -> tuple[JSONDict, list[JSONDict]]:
         """(message fields, tool calls) of a complete reply."""
         first = self.feed(text)
         last, calls = self.finish()
-        message: dict[str, Any] = {
-            "content": first.get("content", "") + last.get("content", ""),
-        }
+        content = first.get("content", "") + last.get("content", "")
+        message: JSONDict = {"content": content}
         if self.reasoning is not None:
             thought = first.get("reasoning_content", "") + last.get("reasoning_content", "")
             message["reasoning_content"] = thought if self.reasoning.saw_reasoning else None
         if calls:
-            message["content"] = message["content"].strip() or None
+            message["content"] = content.strip() or None
             message["tool_calls"] = calls
         return message, calls

@@ -19,26 +19,39 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any
+
+from minisgl.extensions.structured_output.reasoning import partial_suffix
+from minisgl.ipc.messages import JSONDict
 
 START, END = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def check_tools(tools: list[dict[str, Any]], tool_choice: Any) -> None:
+def _function(tool: object) -> JSONDict:
+    """A tool's ``function`` object (ValueError naming tools if it has none)."""
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+        fn = None
+    if not isinstance(fn, dict):
+        raise ValueError("tools must be objects of type 'function' with a 'function' object")
+    return fn
+
+
+def _name(tool: object) -> str:
+    name = _function(tool).get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError("tools must each name their function (function.name)")
+    return name
+
+
+def check_tools(tools: list[JSONDict], tool_choice: object) -> None:
     """ValueError naming the field unless ``tools`` are OpenAI function tools and
     ``tool_choice`` is none / auto / required / one of them by name."""
     names = []
     for tool in tools:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise ValueError("tools must be objects of type 'function' with a 'function' object")
-        if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError("tools must each name their function (function.name)")
-        params = fn.get("parameters", {})
-        if not isinstance(params, dict):
+        names.append(_name(tool))
+        if not isinstance(_function(tool).get("parameters", {}), dict):
             raise ValueError("tools must give function.parameters as a JSON Schema object")
-        names.append(fn["name"])
     if tool_choice in (None, "none", "auto"):
         return
     if tool_choice == "required":
@@ -55,7 +68,7 @@ def check_tools(tools: list[dict[str, Any]], tool_choice: Any) -> None:
         raise ValueError(f"tool_choice must name one of the tools, got {name!r}")
 
 
-def forced_name(tool_choice: Any) -> str | None:
+def forced_name(tool_choice: object) -> str | None:
     """The function a named tool_choice forces, else None."""
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
@@ -64,7 +77,7 @@ def forced_name(tool_choice: Any) -> str | None:
     return None
 
 
-def call_grammar(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
+def call_grammar(tools: list[JSONDict], tool_choice: object) -> str | None:
     """EBNF for a reply that is exactly one call (``required``: of any listed function; a
     named choice: of that one), or None when the reply is free. Needs xgrammar."""
     if tool_choice != "required" and forced_name(tool_choice) is None:
@@ -81,14 +94,14 @@ def call_grammar(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
         {
             "type": "object",
             "properties": {
-                "name": {"const": t["function"]["name"]},
-                "arguments": t["function"].get("parameters") or {"type": "object"},
+                "name": {"const": _name(t)},
+                "arguments": _function(t).get("parameters") or {"type": "object"},
             },
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
         for t in tools
-        if name is None or t["function"]["name"] == name
+        if name is None or _name(t) == name
     ]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     try:
@@ -103,9 +116,9 @@ def call_grammar(tools: list[dict[str, Any]], tool_choice: Any) -> str | None:
     return str(grammar)
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str) -> tuple[str | None, list[JSONDict]]:
     """(content, calls) of a complete reply; no calls if any call block fails to parse."""
-    calls = []
+    calls: list[JSONDict] = []
     for m in _CALL_RE.finditer(text):
         try:
             obj = json.loads(m.group(1))
@@ -150,12 +163,11 @@ class StreamingToolParser:
             self.in_calls, self.held = True, ""
             return buf[:at]
         # Hold back a tail that could be the start of "<tool_call>".
-        keep = next((k for k in range(min(len(START) - 1, len(buf)), 0, -1)
-                     if START.startswith(buf[-k:])), 0)  # fmt: skip
+        keep = partial_suffix(buf, START)
         self.held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, list[JSONDict]]:
         """(content not yet sent, calls) once the reply is complete."""
         if not self.in_calls:
             rest, self.held = self.held, ""
