@@ -25,7 +25,7 @@ from minisgl.ipc.messages import (
     TokenLogprob,
     TokenOutput,
 )
-from minisgl.scheduler.scheduler import IN_BATCH_PREFIX_MIN, _shares_prefix
+from minisgl.scheduler.admission import IN_BATCH_PREFIX_MIN, _shares_prefix
 from minisgl.server.errors import ClientGone
 from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import MAX_TOKEN_ID, CompletionRequest
