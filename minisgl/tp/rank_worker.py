@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from minisgl.config import EngineConfig
@@ -57,14 +58,16 @@ def follow_offline(config: EngineConfig, rank: int) -> None:
     from minisgl.distributed.group import share_cpu_threads
     from minisgl.engine.engine import Engine, pick_device
     from minisgl.scheduler.scheduler import Scheduler
-    from minisgl.scheduler.stop import LazyDecoder
+    from minisgl.scheduler.stop import TokenizerDecoder
+    from minisgl.tokenizer import load_tokenizer
     from minisgl.tp import leave_tp_group
     from minisgl.tp.mirror import RankState, follow
 
     tp = TPInfo(rank, config.tp_size)
     share_cpu_threads(config, pick_device(config.device))
     engine = Engine(config, tp)
-    scheduler = Scheduler(engine, decode=LazyDecoder(engine.resolved, config.tokenizer))
+    load = partial(load_tokenizer, engine.resolved, config.tokenizer)  # if a request needs it
+    scheduler = Scheduler(engine, decode=TokenizerDecoder(load=load))
     channel = EventChannel(tp)
     channel.handshake("offline")
     logger.info("rank %d ready on %s", rank, engine.device)
