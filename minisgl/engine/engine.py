@@ -171,7 +171,9 @@ class Engine:
         c = self.config
         if self.device.type != "cuda" or c.cuda_graph_max_bs == 0:
             return None
-        if not hasattr(self.attn_backend, "graph_capturable"):
+        from minisgl.attention.triton_backend import TritonBackend  # triton: on CUDA only
+
+        if not isinstance(self.attn_backend, TritonBackend):
             logger.warning("CUDA graphs need the triton attention backend; running eagerly")
             return None
         max_bs = c.cuda_graph_max_bs
