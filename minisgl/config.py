@@ -165,10 +165,7 @@ class EngineConfig:
 
     def ext(self, kind: type[C]) -> C:
         """The options of one extension's group (its defaults if it was not given)."""
-        for group in self.extensions:
-            if isinstance(group, kind):
-                return group
-        return kind()
+        return group_of(self.extensions, kind)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -240,6 +237,11 @@ def option_groups() -> list[OptionGroup]:
 
     load_extensions()
     return list(_groups)
+
+
+def group_of(groups: tuple[object, ...], kind: type[C]) -> C:
+    """The instance of ``kind`` among ``groups``, else ``kind``'s defaults."""
+    return next((g for g in groups if isinstance(g, kind)), None) or kind()
 
 
 def option_names(kind: type) -> list[str]:
