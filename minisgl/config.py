@@ -17,9 +17,10 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 # --kv-cache-dtype values (minisgl/kvcache/kv_dtype.py maps them to torch dtypes); "fp8" is
 # vLLM's spelling of fp8_e4m3.
@@ -27,8 +28,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")
 
 
 def option(
-    default: Any, help: str, *aliases: str, choices: tuple[str, ...] = (), low: float | None = None
-) -> Any:
+    default: T, help: str, *aliases: str, choices: tuple[str, ...] = (), low: float | None = None
+) -> T:
     """A configuration field: its default, its --help text, extra flag spellings, and what a
     valid value is (``choices``, or at least ``low``; None always means "auto")."""
     meta = {"help": help, "aliases": aliases, "choices": choices, "low": low}
@@ -168,7 +169,7 @@ class EngineConfig:
         return group_of(self.extensions, kind)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """The configuration from flat keywords: the core's fields and every registered
         extension group's; ValueError naming any keyword nobody takes."""
         groups = [g for g in option_groups() if not g.server]
@@ -181,7 +182,7 @@ class EngineConfig:
         exts: tuple[object, ...] = tuple(_build(g.options, kwargs) for g in groups)
         for ext in exts:
             check_fields(ext)
-        config = cls(**_pick(cls, kwargs), extensions=exts)
+        config = _build(cls, kwargs, extensions=exts)
         for g in groups:
             g.check(config)
         return config
@@ -248,12 +249,10 @@ def option_names(kind: type) -> list[str]:
     return [f.name for f in dataclasses.fields(kind) if not f.metadata.get("internal")]
 
 
-def _pick(kind: type, values: dict[str, Any]) -> dict[str, Any]:
-    return {n: values[n] for n in option_names(kind) if n in values}
-
-
-def _build(kind: type[C], values: dict[str, Any]) -> C:
-    return kind(**_pick(kind, values))
+def _build(kind: type[C], values: dict[str, object], **internal: object) -> C:
+    """``kind`` from the entries of ``values`` that name its options (the caller checked
+    that no other entry is left)."""
+    return kind(**{n: values[n] for n in option_names(kind) if n in values}, **internal)
 
 
 def _loaded_note() -> str:
@@ -268,12 +267,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _base_type(annotation: Any) -> type:
+def _base_type(annotation: object) -> type:
     """int for `int | None`, etc."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return args[0]  # type: ignore[no-any-return]
-    return annotation  # type: ignore[no-any-return]
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    assert isinstance(annotation, type), annotation
+    return annotation
 
 
 def add_flags(parser: argparse.ArgumentParser, kind: type, title: str) -> None:
