@@ -247,7 +247,7 @@ class Engine:
             logits = apply_token_bitmask(logits, self.to_device(sample.allowed))
         penalties = self.penalties if sample.use_penalties else None
         slots = table_rows if sample.use_penalties else None
-        out = self.sampler.sample(logits, sample.params.batch(steps), penalties, slots)
+        out = self.sampler.sample(logits, sample.params.at(steps), penalties, slots)
         self.last_tokens[table_rows] = out.next_tokens
         if slots is not None:
             self.penalties.add_tokens(slots, out.next_tokens)
