@@ -27,9 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(parser)
     add_flags(parser, ServerArgs, "server")
-    for group in option_groups():
-        if group.server:
-            add_flags(parser, group.options, group.title)
+    for group in option_groups(server=True):
+        add_flags(parser, group.options, group.title)
     shell = parser.add_argument_group("shell")
     shell.add_argument("--shell", action="store_true", help="interactive chat shell, no server")
     shell.add_argument("--temperature", type=float, default=0.6, help="shell: sampling temperature")
@@ -41,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def server_args(args: argparse.Namespace, config: EngineConfig) -> ServerArgs:
     """The server's settings from the parsed flags, with every server option group's values
     (ValueError naming a bad one)."""
-    groups = [g for g in option_groups() if g.server]
+    groups = option_groups(server=True)
     extensions = tuple(
         g.options(**{n: getattr(args, n) for n in option_names(g.options)}) for g in groups
     )

@@ -152,7 +152,7 @@ class EngineConfig:
         # One instance of every registered group, in registration order: equal options give
         # equal configurations (TP ranks compare theirs), given or defaulted.
         given = {type(e): e for e in self.extensions}
-        groups = [g.options for g in option_groups() if not g.server]
+        groups = [g.options for g in option_groups(server=False)]
         exts = tuple(given.pop(kind, None) or kind() for kind in groups)
         if given:
             raise ValueError(f"extensions holds unregistered options: {sorted(map(str, given))}")
@@ -172,11 +172,8 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """The configuration from flat keywords: the core's fields and every registered
         extension group's; ValueError naming any keyword nobody takes."""
-        groups = [g for g in option_groups() if not g.server]
-        taken = set(option_names(cls))
-        for g in groups:
-            taken |= set(option_names(g.options))
-        unknown = set(kwargs) - taken
+        groups = option_groups(server=False)
+        unknown = set(kwargs) - set(engine_option_names())
         if unknown:
             raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}{_loaded_note()}")
         exts: tuple[object, ...] = tuple(_build(g.options, kwargs) for g in groups)
@@ -232,12 +229,13 @@ def register_options(group: OptionGroup) -> None:
     _groups.append(group)
 
 
-def option_groups() -> list[OptionGroup]:
-    """Every registered group, the extensions loaded first."""
+def option_groups(server: bool | None = None) -> list[OptionGroup]:
+    """Every registered group (``server``: only the server's, or only the engine's), the
+    extensions loaded first."""
     from minisgl.extension_loader import load_extensions
 
     load_extensions()
-    return list(_groups)
+    return [g for g in _groups if server is None or g.server == server]
 
 
 def group_of(groups: tuple[object, ...], kind: type[C]) -> C:
@@ -303,14 +301,15 @@ def add_flags(parser: argparse.ArgumentParser, kind: type, title: str) -> None:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The core's engine flags and those of every registered engine option group."""
     add_flags(parser, EngineConfig, "engine")
-    for g in option_groups():
-        if not g.server:
-            add_flags(parser, g.options, g.title)
+    for g in option_groups(server=False):
+        add_flags(parser, g.options, g.title)
+
+
+def engine_option_names() -> list[str]:
+    """The core's options and those of every registered engine option group."""
+    kinds = [EngineConfig, *(g.options for g in option_groups(server=False))]
+    return [name for kind in kinds for name in option_names(kind)]
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = set(option_names(EngineConfig))
-    for g in option_groups():
-        if not g.server:
-            names |= set(option_names(g.options))
-    return EngineConfig.from_kwargs(**{n: getattr(args, n) for n in names})
+    return EngineConfig.from_kwargs(**{n: getattr(args, n) for n in engine_option_names()})
