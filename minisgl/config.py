@@ -17,9 +17,10 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 C = TypeVar("C")
+T = TypeVar("T")
 
 # --kv-cache-dtype values (minisgl/kvcache/kv_dtype.py maps them to torch dtypes); "fp8" is
 # vLLM's spelling of fp8_e4m3.
@@ -27,8 +28,8 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8")
 
 
 def option(
-    default: Any, help: str, *aliases: str, choices: tuple[str, ...] = (), low: float | None = None
-) -> Any:
+    default: T, help: str, *aliases: str, choices: tuple[str, ...] = (), low: float | None = None
+) -> T:
     """A configuration field: its default, its --help text, extra flag spellings, and what a
     valid value is (``choices``, or at least ``low``; None always means "auto")."""
     meta = {"help": help, "aliases": aliases, "choices": choices, "low": low}
@@ -151,7 +152,7 @@ class EngineConfig:
         # One instance of every registered group, in registration order: equal options give
         # equal configurations (TP ranks compare theirs), given or defaulted.
         given = {type(e): e for e in self.extensions}
-        groups = [g.options for g in option_groups() if not g.server]
+        groups = [g.options for g in option_groups(server=False)]
         exts = tuple(given.pop(kind, None) or kind() for kind in groups)
         if given:
             raise ValueError(f"extensions holds unregistered options: {sorted(map(str, given))}")
@@ -165,26 +166,20 @@ class EngineConfig:
 
     def ext(self, kind: type[C]) -> C:
         """The options of one extension's group (its defaults if it was not given)."""
-        for group in self.extensions:
-            if isinstance(group, kind):
-                return group
-        return kind()
+        return group_of(self.extensions, kind)
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
         """The configuration from flat keywords: the core's fields and every registered
         extension group's; ValueError naming any keyword nobody takes."""
-        groups = [g for g in option_groups() if not g.server]
-        taken = set(option_names(cls))
-        for g in groups:
-            taken |= set(option_names(g.options))
-        unknown = set(kwargs) - taken
+        groups = option_groups(server=False)
+        unknown = set(kwargs) - set(engine_option_names())
         if unknown:
             raise ValueError(f"unknown option(s): {', '.join(sorted(unknown))}{_loaded_note()}")
         exts: tuple[object, ...] = tuple(_build(g.options, kwargs) for g in groups)
         for ext in exts:
             check_fields(ext)
-        config = cls(**_pick(cls, kwargs), extensions=exts)
+        config = _build(cls, kwargs, extensions=exts)
         for g in groups:
             g.check(config)
         return config
@@ -234,24 +229,28 @@ def register_options(group: OptionGroup) -> None:
     _groups.append(group)
 
 
-def option_groups() -> list[OptionGroup]:
-    """Every registered group, the extensions loaded first."""
+def option_groups(server: bool | None = None) -> list[OptionGroup]:
+    """Every registered group (``server``: only the server's, or only the engine's), the
+    extensions loaded first."""
     from minisgl.extension_loader import load_extensions
 
     load_extensions()
-    return list(_groups)
+    return [g for g in _groups if server is None or g.server == server]
+
+
+def group_of(groups: tuple[object, ...], kind: type[C]) -> C:
+    """The instance of ``kind`` among ``groups``, else ``kind``'s defaults."""
+    return next((g for g in groups if isinstance(g, kind)), None) or kind()
 
 
 def option_names(kind: type) -> list[str]:
     return [f.name for f in dataclasses.fields(kind) if not f.metadata.get("internal")]
 
 
-def _pick(kind: type, values: dict[str, Any]) -> dict[str, Any]:
-    return {n: values[n] for n in option_names(kind) if n in values}
-
-
-def _build(kind: type[C], values: dict[str, Any]) -> C:
-    return kind(**_pick(kind, values))
+def _build(kind: type[C], values: dict[str, object], **internal: object) -> C:
+    """``kind`` from the entries of ``values`` that name its options (the caller checked
+    that no other entry is left)."""
+    return kind(**{n: values[n] for n in option_names(kind) if n in values}, **internal)
 
 
 def _loaded_note() -> str:
@@ -266,12 +265,12 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _base_type(annotation: Any) -> type:
+def _base_type(annotation: object) -> type:
     """int for `int | None`, etc."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return args[0]  # type: ignore[no-any-return]
-    return annotation  # type: ignore[no-any-return]
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    assert isinstance(annotation, type), annotation
+    return annotation
 
 
 def add_flags(parser: argparse.ArgumentParser, kind: type, title: str) -> None:
@@ -302,14 +301,15 @@ def add_flags(parser: argparse.ArgumentParser, kind: type, title: str) -> None:
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The core's engine flags and those of every registered engine option group."""
     add_flags(parser, EngineConfig, "engine")
-    for g in option_groups():
-        if not g.server:
-            add_flags(parser, g.options, g.title)
+    for g in option_groups(server=False):
+        add_flags(parser, g.options, g.title)
+
+
+def engine_option_names() -> list[str]:
+    """The core's options and those of every registered engine option group."""
+    kinds = [EngineConfig, *(g.options for g in option_groups(server=False))]
+    return [name for kind in kinds for name in option_names(kind)]
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    names = set(option_names(EngineConfig))
-    for g in option_groups():
-        if not g.server:
-            names |= set(option_names(g.options))
-    return EngineConfig.from_kwargs(**{n: getattr(args, n) for n in names})
+    return EngineConfig.from_kwargs(**{n: getattr(args, n) for n in engine_option_names()})

@@ -17,22 +17,23 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
+V = TypeVar("V", covariant=True)  # a Switch[bool] is a Switch[object]
 PREFIX = "MINISGL_"
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
-class Switch(Generic[T]):
+class Switch(Generic[V]):
     env_name: str  # the variable, e.g. MINISGL_PDL
-    default: T
+    default: V
     doc: str
-    parse: Callable[[str], T]
+    parse: Callable[[str], V]
 
-    def get(self) -> T:
+    def get(self) -> V:
         """The value, read from the environment on first use and kept."""
         if self.env_name not in _values:
             raw = os.environ.get(self.env_name, "").strip()
@@ -48,7 +49,7 @@ _UNSET = object()
 def _register(switch: Switch[T]) -> Switch[T]:
     if switch.env_name in _registry:
         raise ValueError(f"environment switch {switch.env_name} is declared twice")
-    _registry[switch.env_name] = switch  # type: ignore[assignment]
+    _registry[switch.env_name] = switch
     return switch
 
 
@@ -95,7 +96,7 @@ def registered() -> list[Switch[object]]:
 
 
 @contextlib.contextmanager
-def override(values: dict[Switch[Any], object]) -> Iterator[None]:
+def override(values: dict[Switch[object], object]) -> Iterator[None]:
     """Give switches these values for the duration (tests): in this process, and in the
     environment that processes it starts inherit (spawned TP ranks, servers)."""
     saved = {
@@ -121,7 +122,7 @@ def override(values: dict[Switch[Any], object]) -> Iterator[None]:
                 os.environ[name] = raw
 
 
-def child_environ(values: dict[Switch[Any], object]) -> dict[str, str]:
+def child_environ(values: dict[Switch[object], object]) -> dict[str, str]:
     """This process's environment with these switches set, for a process it starts."""
     env = dict(os.environ)
     for switch, value in values.items():

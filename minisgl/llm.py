@@ -12,8 +12,8 @@ Tensor parallelism: ``LLM(model, tp_size=N)`` makes this process rank 0 and spaw
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from minisgl.config import EngineConfig
 from minisgl.engine.engine import Engine
@@ -24,11 +24,14 @@ from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stop import TokenizerDecoder, regex_cut
 from minisgl.tokenizer import load_tokenizer, render_chat, trim_stop
 
+if TYPE_CHECKING:
+    from minisgl.tp.mirror import MirroredScheduler
+
 Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **options: Any) -> None:
+    def __init__(self, model: str | None = None, **options: object) -> None:
         self._start(EngineConfig.from_kwargs(model=model, **options))
 
     @classmethod
@@ -43,7 +46,8 @@ class LLM:
         if config.tp_size == 1:
             self.engine = Engine(config)
             self.tokenizer = load_tokenizer(self.engine.resolved, config.tokenizer)
-            self.scheduler: Any = Scheduler(self.engine, decode=TokenizerDecoder(self.tokenizer))
+            decode = TokenizerDecoder(self.tokenizer)
+            self.scheduler: Scheduler | MirroredScheduler = Scheduler(self.engine, decode=decode)
             return
         from minisgl.tp.offline import start_offline_tp
 
@@ -77,11 +81,6 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _decode(self, ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
-
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -97,7 +96,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[dict[str, object]]:
         """Generate for every prompt; results come back in input order. ``priority`` (vLLM's
         argument) gives one integer per prompt, lower first; it needs
         ``schedule_policy="priority"`` unless all are 0."""
@@ -132,10 +131,10 @@ class LLM:
             for ids, p, prio in zip(encoded, params, priorities, strict=True)
             for _ in range(p.n)
         ]
-        if self._tp_teardown is not None:
-            reqs: list[Req] = self.scheduler.add_requests(items)  # one message to the ranks
-        else:
+        if isinstance(self.scheduler, Scheduler):
             reqs = [self.scheduler.add_request(ids, p, priority=prio) for ids, p, prio in items]
+        else:
+            reqs = self.scheduler.add_requests(items)  # one message to the ranks
         self._run(reqs, use_tqdm if use_tqdm is not None else len(reqs) >= 8)
         return [self._result(r) for r in reqs]
 
@@ -155,11 +154,11 @@ class LLM:
         messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         continue_final_message: bool = False,
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[dict[str, Any]]:
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> list[dict[str, object]]:
         """Generate replies to one conversation or a list of them (see apply_chat_template).
         Replies are text; the structured_output extension's ``tool_calls.parse_tool_calls``
         splits out calls."""
@@ -179,10 +178,10 @@ class LLM:
     def apply_chat_template(
         self,
         messages: list[dict[str, str]],
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: Mapping[str, object] | None = None,
         continue_final_message: bool = False,
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int]:
         """Token ids of a conversation: ``chat_template_kwargs`` go to the template (e.g.
         ``{"enable_thinking": False}`` for Qwen3); ``continue_final_message`` continues the
@@ -224,7 +223,7 @@ class LLM:
         if bar is not None:
             bar.close()
 
-    def _result(self, req: Req) -> dict[str, Any]:
+    def _result(self, req: Req) -> dict[str, object]:
         p = req.params
         text = (
             self.tokenizer.decode(req.output_ids, skip_special_tokens=p.skip_special_tokens)
@@ -236,7 +235,7 @@ class LLM:
             text = text[:cut]  # the scheduler's matcher saw this same text (same decoding)
         elif isinstance(req.matched_stop, str):
             text = trim_stop(text, req.matched_stop)
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "text": text,
             "token_ids": list(req.output_ids),
             "finish_reason": req.finish_reason,

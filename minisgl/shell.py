@@ -14,7 +14,6 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from minisgl.config import EngineConfig
 from minisgl.sampling_params import SamplingParams
@@ -56,7 +55,7 @@ class ChatSession:
                 return ids
             del self.history[:2]
 
-    def ask(self, text: str, write: Callable[[str], Any]) -> str:
+    def ask(self, text: str, write: Callable[[str], object]) -> str:
         self.history.append({"role": "user", "content": text})
         ids = self._prompt_ids()
         room = self.scheduler.context_length - len(ids)

@@ -114,9 +114,9 @@ class _HostIndices:
 
 
 class TritonBackend(AttentionBackend):
-    # Decode launch shapes depend only on the batch size, so a CUDA graph captured on one
-    # batch's metadata replays any same-size decode batch after copy_metadata.
-    graph_capturable = True
+    # CUDA graphs (engine/cuda_graph.py) take this backend only: decode launch shapes depend
+    # only on the batch size, so a graph captured on one batch's metadata replays any
+    # same-size decode batch after copy_metadata.
 
     def __init__(
         self,

@@ -9,7 +9,7 @@ own. ``gather`` brings per-rank answers (integrity checks, shard sizes) back to 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -17,6 +17,7 @@ from minisgl.distributed import TPInfo
 from minisgl.distributed.group import control_group
 
 PROTOCOL = 1  # bump when the meaning of the stream changes
+T = TypeVar("T")
 
 
 class ProtocolMismatch(RuntimeError):
@@ -28,7 +29,7 @@ class EventChannel:
         self.tp = tp
         self.group = group if group is not None or tp.size == 1 else control_group()
 
-    def broadcast(self, obj: Any = None) -> Any:
+    def broadcast(self, obj: object = None) -> object:
         """Rank 0 passes ``obj``; every rank (rank 0 included) gets rank 0's ``obj`` back.
         Followers block until rank 0 sends, for as long as that takes."""
         if self.tp.size == 1:
@@ -37,11 +38,13 @@ class EventChannel:
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's ``obj``, in rank order, on rank 0; None elsewhere."""
+    def gather(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` (the same kind on every rank), in rank order, on rank 0; None
+        elsewhere."""
         if self.tp.size == 1:
             return [obj]
-        out: list[Any] | None = [None] * self.tp.size if self.tp.is_primary else None
+        # Placeholders, each replaced by that rank's object.
+        out = [obj] * self.tp.size if self.tp.is_primary else None
         dist.gather_object(obj, out, dst=0, group=self.group)
         return out
 

@@ -20,11 +20,16 @@ import gc
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, BatchLayout, ForwardBatch, padded_batch_size
+from minisgl.attention.base import BatchLayout, ForwardBatch, padded_batch_size
+from minisgl.models.decoder import CausalLM
+
+if TYPE_CHECKING:  # triton is imported on CUDA only
+    from minisgl.attention.triton_backend import TritonBackend
+    from minisgl.attention.triton_plan import ExtendGraphShape
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +63,8 @@ class GraphTarget:
     """What the graphs capture: the model and attention backend of one engine, the page
     table they read, and its scratch slot and context length."""
 
-    model: Any  # the CausalLM: its decoder stack (``.model``) and ``logits``
-    attn_backend: AttentionBackend
+    model: CausalLM
+    attn_backend: TritonBackend  # graphs need its launch shapes fixed by the padded size
     page_table: torch.Tensor
     scratch_slot: int
     context_length: int
@@ -72,11 +77,7 @@ class CudaGraphRunner:
         self.engine = self.target = engine
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = self.sizes[-1]
-        backend = engine.attn_backend
-        # Prefill/mixed graphs need a backend that can pad its extend metadata.
-        self.token_sizes = (
-            graph_token_sizes(max_tokens) if hasattr(backend, "extend_graph_shape") else []
-        )
+        self.token_sizes = graph_token_sizes(max_tokens)
         dev = engine.device
         self.dummy_row = engine.page_table.shape[0] - 1
         self.scratch_slot = engine.scratch_slot
@@ -101,7 +102,7 @@ class CudaGraphRunner:
         self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.ext_outputs: dict[int, torch.Tensor] = {}
         self.ext_metadata: dict[int, object] = {}
-        self.pool: Any = None  # the memory pool handle the graphs share
+        self.pool = torch.cuda.graph_pool_handle()  # the memory pool the graphs share
         self.replays = {"decode": 0, "extend": 0}  # for tests and logs
         self._capture_all()
         _live.add(self)
@@ -172,8 +173,6 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                     self.outputs[bs] = model(batch)
-                if self.pool is None:
-                    self.pool = graph.pool()
                 self.graphs[bs] = graph
                 self.metadata[bs] = md
         torch.cuda.current_stream().wait_stream(stream)
@@ -182,8 +181,8 @@ class CudaGraphRunner:
         if self.token_sizes:
             logger.info("captured CUDA graphs for prefill/mixed token counts %s", self.token_sizes)
 
-    def _ext_shape(self, tokens: int) -> Any:
-        return self.engine.attn_backend.extend_graph_shape(tokens, self.ext_rows[tokens])  # type: ignore[attr-defined]
+    def _ext_shape(self, tokens: int) -> ExtendGraphShape:
+        return self.engine.attn_backend.extend_graph_shape(tokens, self.ext_rows[tokens])
 
     def _capture_extend(self, tokens: int, stream: torch.cuda.Stream) -> None:
         # Captured on the scratch row, ``tokens`` new tokens in rows of at most a context
@@ -195,16 +194,14 @@ class CudaGraphRunner:
         layout = BatchLayout(
             [self.dummy_row] * len(lens), [0] * len(lens), lens, self.engine.page_table
         )
-        backend: Any = self.engine.attn_backend
+        backend = self.engine.attn_backend
         md = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(tokens))
         batch = self._batch(tokens, md, self.ext_logits_index[: self.ext_rows[tokens]])
-        body: Any = self.engine.model.model  # the decoder stack, without the LM head
+        body = self.engine.model.model  # the decoder stack, without the LM head
         body(batch)  # warm-up: compiles happen outside capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             self.ext_outputs[tokens] = body(batch)[batch.logits_index]
-        if self.pool is None:
-            self.pool = graph.pool()
         self.ext_graphs[tokens] = graph
         self.ext_metadata[tokens] = md
 
@@ -231,7 +228,7 @@ class CudaGraphRunner:
         """Logits at ``logits_index`` of a prefill/mixed batch, through its token-count graph."""
         n = layout.num_tokens
         size = next(s for s in self.token_sizes if s >= n)
-        backend: Any = self.engine.attn_backend
+        backend = self.engine.attn_backend
         fresh = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(size))
         backend.copy_metadata(self.ext_metadata[size], fresh)
         self._load_inputs(n, size, input_ids, positions, out_slots)
@@ -241,8 +238,7 @@ class CudaGraphRunner:
         self.ext_logits_index[r : self.ext_rows[size]].zero_()
         self.ext_graphs[size].replay()
         self.replays["extend"] += 1
-        model: Any = self.engine.model
-        return model.logits(self.ext_outputs[size][:r])  # type: ignore[no-any-return]
+        return self.engine.model.logits(self.ext_outputs[size][:r])
 
     def can_run(self, layout: BatchLayout) -> bool:
         return layout.is_decode and len(layout.req_rows) <= self.max_bs

@@ -171,7 +171,9 @@ class Engine:
         c = self.config
         if self.device.type != "cuda" or c.cuda_graph_max_bs == 0:
             return None
-        if not hasattr(self.attn_backend, "graph_capturable"):
+        from minisgl.attention.triton_backend import TritonBackend  # triton: on CUDA only
+
+        if not isinstance(self.attn_backend, TritonBackend):
             logger.warning("CUDA graphs need the triton attention backend; running eagerly")
             return None
         max_bs = c.cuda_graph_max_bs
@@ -245,7 +247,7 @@ class Engine:
             logits = apply_token_bitmask(logits, self.to_device(sample.allowed))
         penalties = self.penalties if sample.use_penalties else None
         slots = table_rows if sample.use_penalties else None
-        out = self.sampler.sample(logits, sample.params.batch(steps), penalties, slots)
+        out = self.sampler.sample(logits, sample.params.at(steps), penalties, slots)
         self.last_tokens[table_rows] = out.next_tokens
         if slots is not None:
             self.penalties.add_tokens(slots, out.next_tokens)

@@ -1,11 +1,12 @@
 """Batched on-device sampling: penalties, temperature, top-k/top-p/min-p, logprobs.
 
-`Sampler.sample` never syncs with the host: host flags from `SamplingBatch.build` pick the
+`Sampler.sample` never syncs with the host: the host flags of a `SamplingBatch` pick the
 work. The noise is counter-based (noise.py): a request's tokens depend only on its seed and
 output position, never on the rest of the batch."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,30 +29,39 @@ def _min_p_mask(x: Tensor, row_max: Tensor, min_ps: Tensor) -> Tensor:
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling tensors on the device plus host flags that decide the work."""
+    """The sampling rows of a step: their parameters, packed in two tensors, and the host
+    flags that decide the sampler's work.
 
-    temperatures: Tensor  # [B] float32, 0 for greedy rows
-    top_ps: Tensor  # [B] float32
-    top_ks: Tensor  # [B] int64, TOP_K_OFF when off
-    min_ps: Tensor  # [B] float32
-    seeds: Tensor  # [B] int64
-    steps: Tensor  # [B] int64, output position of the token being sampled
-    repetition_penalties: Tensor | None  # [B] float32; None when no row uses it
-    frequency_penalties: Tensor | None
-    presence_penalties: Tensor | None
-    all_greedy: bool
-    any_greedy: bool
+    A decode batch keeps the same rows for many steps, so the scheduler builds one batch on
+    the host and reuses it until its rows change; `at` makes each step's, and copies the
+    parameters to the device once."""
+
+    floats: Tensor  # [6, B] float32: temperature (0: greedy), top_p, min_p, and the repetition,
+    # frequency and presence penalties
+    ints: Tensor  # [2, B] int64: top_k (TOP_K_OFF when off), seed
+    need_rep: bool
+    need_freq: bool
+    need_pres: bool
+    n_sampled: int  # rows that sample (the others are greedy)
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
     max_top_k: int  # largest k over sampled rows (TOP_K_OFF if any is off)
     need_logprobs: bool
     max_top_logprobs: int
+    steps: Tensor | None = None  # [B] int64: the output position each row samples (per step)
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.n_sampled == 0
+
+    @property
+    def any_greedy(self) -> bool:
+        return self.n_sampled < self.floats.shape[1]
 
     @property
     def need_penalties(self) -> bool:
-        pens = (self.repetition_penalties, self.frequency_penalties, self.presence_penalties)
-        return any(t is not None for t in pens)
+        return self.need_rep or self.need_freq or self.need_pres
 
     @property
     def need_filters(self) -> bool:
@@ -63,38 +73,11 @@ class SamplingBatch:
         cls,
         params: Sequence[SamplingParams],
         seeds: Sequence[int],
-        steps: Sequence[int],
-        device: torch.device | str,
+        steps: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
     ) -> SamplingBatch:
-        """Host lists -> device tensors; steps[i] is the output index row i is sampling."""
-        steps_dev = h2d(torch.tensor(list(steps), dtype=torch.int64), device)
-        return SamplingRows.build(params, seeds).batch(steps_dev)
-
-
-@dataclass
-class SamplingRows:
-    """The step-independent part of a SamplingBatch: per-row parameters and flags.
-
-    A decode batch keeps the same rows for many steps, so the scheduler reuses one
-    SamplingRows until the batch's membership changes; its device copy is made once.
-    """
-
-    floats: np.ndarray  # [6, B] temperature, top_p, min_p, repetition, frequency, presence
-    ints: np.ndarray  # [2, B] top_k, seed
-    need_rep: bool
-    need_freq: bool
-    need_pres: bool
-    n_sampled: int  # rows that sample (the others are greedy)
-    need_top_k: bool
-    need_top_p: bool
-    need_min_p: bool
-    max_top_k: int
-    need_logprobs: bool
-    max_top_logprobs: int
-    _device: tuple[Tensor, Tensor] | None = None
-
-    @classmethod
-    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> SamplingRows:
+        """The batch of host lists; with ``steps`` (steps[i]: the output index row i samples),
+        that step's, on ``device``."""
         fl: list[tuple[float, ...]] = []  # one row per request; transposed below
         ints: list[tuple[int, int]] = []
         n_sampled = max_k = 0
@@ -115,9 +98,9 @@ class SamplingRows:
                 max_k = max(max_k, k)
                 fl.append((p.temperature, p.top_p, p.min_p, rep, freq, pres))
             ints.append((k, i64(seed)))
-        return cls(
-            floats=np.asarray(fl, dtype=np.float32).reshape(-1, 6).T.copy(),
-            ints=np.asarray(ints, dtype=np.int64).reshape(-1, 2).T.copy(),
+        batch = cls(
+            floats=torch.from_numpy(np.asarray(fl, dtype=np.float32).reshape(-1, 6).T.copy()),
+            ints=torch.from_numpy(np.asarray(ints, dtype=np.int64).reshape(-1, 2).T.copy()),
             need_rep=need_rep,
             need_freq=need_freq,
             need_pres=need_pres,
@@ -129,36 +112,16 @@ class SamplingRows:
             need_logprobs=any(p.wants_logprobs for p in params),
             max_top_logprobs=max((p.top_logprobs for p in params), default=0),
         )
+        if steps is None:
+            return batch
+        return batch.at(h2d(torch.tensor(list(steps), dtype=torch.int64), device))
 
-    def __len__(self) -> int:
-        return self.floats.shape[1]
-
-    def batch(self, steps: Tensor) -> SamplingBatch:
-        """The SamplingBatch for one step; ``steps`` [B] int64 is already on the device."""
-        if self._device is None or self._device[0].device != steps.device:
-            f = h2d(torch.from_numpy(self.floats), steps.device)
-            i = h2d(torch.from_numpy(self.ints), steps.device)
-            self._device = (f, i)
-        f, i = self._device
-        return SamplingBatch(
-            temperatures=f[0],
-            top_ps=f[1],
-            top_ks=i[0],
-            min_ps=f[2],
-            seeds=i[1],
-            steps=steps,
-            repetition_penalties=f[3] if self.need_rep else None,
-            frequency_penalties=f[4] if self.need_freq else None,
-            presence_penalties=f[5] if self.need_pres else None,
-            all_greedy=self.n_sampled == 0,
-            any_greedy=self.n_sampled < len(self),
-            need_top_k=self.need_top_k,
-            need_top_p=self.need_top_p,
-            need_min_p=self.need_min_p,
-            max_top_k=self.max_top_k,
-            need_logprobs=self.need_logprobs,
-            max_top_logprobs=self.max_top_logprobs,
-        )
+    def at(self, steps: Tensor) -> SamplingBatch:
+        """The batch of one step: ``steps`` [B] int64 is on the device, where the parameters
+        are copied the first time."""
+        if self.floats.device != steps.device:
+            self.floats, self.ints = h2d(self.floats, steps.device), h2d(self.ints, steps.device)
+        return dataclasses.replace(self, steps=steps)
 
 
 @dataclass
@@ -192,19 +155,20 @@ class Sampler:
     ) -> SampleOutput:
         """One token per row of `logits` [B, V] (any float dtype; float32 math throughout);
         row b's penalty slot is penalty_rows[b]."""
-        x = logits
+        x, temps, seeds, steps = logits, batch.floats[0], batch.ints[1], batch.steps
+        assert steps is not None, "a step's batch (SamplingBatch.at)"
         if batch.need_penalties:
             x = self._apply_penalties(x.float(), batch, penalty_state, penalty_rows)
         if batch.all_greedy:
             next_tokens = x.argmax(dim=-1)  # with no penalties, the whole step is one kernel
         elif self._fused is not None and not (batch.need_penalties or batch.need_filters):
             # The common case: no float32 copy, no scaled copy, greedy rows inside.
-            next_tokens = self._fused(logits, batch.temperatures, batch.seeds, batch.steps)
+            next_tokens = self._fused(logits, temps, seeds, steps)
         else:
-            next_tokens = self._sample_rows(x.float(), batch)
+            next_tokens = self._sample_rows(x.float(), batch, steps)
             if batch.any_greedy:
                 greedy = x.argmax(dim=-1)
-                next_tokens = torch.where(batch.temperatures == 0, greedy, next_tokens)
+                next_tokens = torch.where(temps == 0, greedy, next_tokens)
         return self._logprobs(logits, next_tokens, batch)
 
     @staticmethod
@@ -215,22 +179,21 @@ class Sampler:
             raise ValueError("a row uses penalties but no allocated PenaltyState was passed")
         rows = torch.arange(x.shape[0], device=x.device) if rows is None else rows
         counts = state.output_counts.index_select(0, rows)
-        rep = batch.repetition_penalties
-        if rep is not None:
+        rep, freq, pres = batch.floats[3:, :, None]
+        if batch.need_rep:
             # HF/SGLang: any token seen in prompt or output moves towards "less likely".
             seen = state.prompt_mask.index_select(0, rows) | (counts > 0)
-            p = rep.unsqueeze(1)
-            x = torch.where(seen, torch.where(x > 0, x / p, x * p), x)
-        freq, pres = batch.frequency_penalties, batch.presence_penalties
-        if freq is not None:
-            x = x - freq.unsqueeze(1) * counts
-        if pres is not None:
-            x = x - pres.unsqueeze(1) * (counts > 0)
+            x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        if batch.need_freq:
+            x = x - freq * counts
+        if batch.need_pres:
+            x = x - pres * (counts > 0)
         return x
 
-    def _sample_rows(self, x: Tensor, batch: SamplingBatch) -> Tensor:
+    def _sample_rows(self, x: Tensor, batch: SamplingBatch, steps: Tensor) -> Tensor:
         # Greedy rows divide by 1 here; their result is replaced by the argmax later.
-        temps = batch.temperatures
+        temps, top_ps, min_ps = batch.floats[:3]
+        top_ks, seeds = batch.ints
         x = x / torch.where(temps == 0, torch.ones_like(temps), temps).unsqueeze(1)
         vocab = x.shape[1]
         if batch.need_top_k or batch.need_top_p:
@@ -240,23 +203,23 @@ class Sampler:
             vals, ids = torch.topk(x, k) if k < vocab else torch.sort(x, descending=True)
             if batch.need_top_k:
                 pos = torch.arange(vals.shape[1], device=x.device)
-                vals = vals.masked_fill(pos >= batch.top_ks.unsqueeze(1), float("-inf"))
+                vals = vals.masked_fill(pos >= top_ks.unsqueeze(1), float("-inf"))
             if batch.need_top_p:
                 # Top-p over the top-k survivors (HF order); keep a token while the mass
                 # strictly before it is < p. Rows with p == 1 are exempt, since rounding
                 # could push that prefix mass to 1.0 and cut their tail.
                 probs = torch.softmax(vals, dim=-1)
                 before = probs.cumsum(dim=-1) - probs
-                top_ps = batch.top_ps.unsqueeze(1)
-                vals = vals.masked_fill((before >= top_ps) & (top_ps < 1), float("-inf"))
+                p = top_ps.unsqueeze(1)
+                vals = vals.masked_fill((before >= p) & (p < 1), float("-inf"))
             if batch.need_min_p:
-                vals = _min_p_mask(vals, vals[:, :1], batch.min_ps)
-            pick = self._race(vals, batch.seeds, batch.steps, ids)
+                vals = _min_p_mask(vals, vals[:, :1], min_ps)
+            pick = self._race(vals, seeds, steps, ids)
             return ids.gather(1, pick.unsqueeze(1)).squeeze(1)
         if batch.need_min_p:
-            x = _min_p_mask(x, x.amax(dim=-1, keepdim=True), batch.min_ps)
+            x = _min_p_mask(x, x.amax(dim=-1, keepdim=True), min_ps)
         ids = torch.arange(vocab, device=x.device)
-        return self._race(x, batch.seeds, batch.steps, ids)
+        return self._race(x, seeds, steps, ids)
 
     @staticmethod
     def _logprobs(logits: Tensor, next_tokens: Tensor, batch: SamplingBatch) -> SampleOutput:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from minisgl.attention.base import BatchLayout
-from minisgl.engine.sampler import SampleOutput, SamplingRows
+from minisgl.engine.sampler import SampleOutput, SamplingBatch
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class SampleRequest:
     rows: list[int]  # batch rows, in order
     table_rows: list[int]  # their page-table rows: index `last_tokens` and penalty state
     steps: list[int]  # the output position each row samples (the noise's counter)
-    params: SamplingRows
+    params: SamplingBatch  # on the host, reused while the same requests sample
     use_penalties: bool = False
     # int32 [rows, ceil(V / 32)] on the host: bit v of row i set = token v allowed (None: all).
     allowed: torch.Tensor | None = None

@@ -73,9 +73,6 @@ class PageAllocator:
         """The set of currently free page ids (for integrity checks; O(num_free))."""
         return set(self._free_stack[: self._num_free].tolist())
 
-    def is_free(self, page: int) -> bool:
-        return bool(self._is_free[page])
-
     def reset(self) -> None:
         """Mark every page free again (forgets all outstanding allocations)."""
         self._free_stack.copy_(torch.arange(self.num_pages - 1, -1, -1, dtype=torch.int64))

@@ -56,7 +56,6 @@ class ModelConfig:
     hidden_act: str = "silu"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    torch_dtype: str = "float32"
     # Mixture of experts (Qwen3-MoE); num_experts == 0 means dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -127,7 +126,6 @@ class ModelConfig:
             hidden_act=str(text.get("hidden_act", "silu")),
             eos_token_ids=eos_ids,
             bos_token_id=text.get("bos_token_id"),
-            torch_dtype=str(text.get("torch_dtype") or text.get("dtype") or "float32"),
             # transformers 5 saves the expert count as "num_local_experts" only.
             num_experts=num_experts,
             num_experts_per_tok=int(text.get("num_experts_per_tok", 0) or 0),

@@ -7,7 +7,6 @@ node), or a request's private range ``[tree_len, alloc_len)`` of its page-table 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import numpy as np
 import torch
@@ -16,7 +15,7 @@ from minisgl.kernels.staging import DeviceStager
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
-from minisgl.kvcache.radix_cache import RadixCache
+from minisgl.kvcache.radix_cache import RadixCache, RadixNode
 from minisgl.scheduler.request import Req
 
 
@@ -220,11 +219,12 @@ def _kv_len(req: Req) -> int:
     return req.kv_len
 
 
-def _path(node: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """Tokens and slots from the root down to ``node`` (walked up: nothing in the tree moves)."""
+def _path(node: object) -> tuple[list[int], list[torch.Tensor]]:
+    """Tokens and slots from the root down to a radix ``node`` (walked up: nothing in the tree
+    moves); none for another cache's handle."""
     keys: list[list[int]] = []
     values: list[torch.Tensor] = []
-    while node is not None and node.parent is not None:
+    while isinstance(node, RadixNode) and node.parent is not None:
         keys.append(node.key)
         values.append(node.value)
         node = node.parent

@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from minisgl.scheduler.preemption import Preemption
 from minisgl.scheduler.request import Req, ReqState, Row
 from minisgl.scheduler.results import Results
 from minisgl.scheduler.step_builder import Launched, StepBuilder
-from minisgl.scheduler.stop import StopChecker, tokenizer_of
+from minisgl.scheduler.stop import StopChecker, TokenizerDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class Scheduler:
     def __init__(
         self,
         engine: Engine,
-        decode: Callable[[list[int]], str] | None = None,
+        decode: TokenizerDecoder | None = None,
         overlap: bool | None = None,
     ) -> None:
         self.engine = engine
@@ -64,7 +64,7 @@ class Scheduler:
         self.speculator = make_speculator(engine, self.kv)
         if self.speculator is not None:
             self.kv.cacheable = self.speculator.cacheable
-        self.constraints = make_constraints(engine, lambda: tokenizer_of(decode))
+        self.constraints = make_constraints(engine, lambda: decode.tokenizer if decode else None)
         self.decodes = DecodeRows(self.kv, self.preemption, self.speculator, self.context_length)
         self.builder = StepBuilder(engine, self.kv, self.speculator, self.constraints)
         self.stop_checker = StopChecker(engine.model_config.eos_token_ids, decode)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from minisgl.attention.base import BatchLayout
 from minisgl.engine.engine import Engine
-from minisgl.engine.sampler import SamplingRows
+from minisgl.engine.sampler import SamplingBatch
 from minisgl.engine.step import LogitsHook, PendingStep, SampleRequest, StepInput
 from minisgl.scheduler.kv_manager import KVManager, ranges
 from minisgl.scheduler.plugins import ConstraintBackend, Speculator
@@ -39,7 +39,7 @@ class StepBuilder:
         self.speculator, self.constraints = speculator, constraints
         self.prefill_tokens = 0  # tokens computed in prefill (for prefix-cache savings)
         # The last step's sampling rows, reused while the same requests sample.
-        self._sampling: SamplingRows | None = None
+        self._sampling: SamplingBatch | None = None
         self._sampling_key: tuple[tuple[int, ...], bool] = ((), False)
 
     def build(self, rows: list[Row]) -> tuple[StepInput, Launched]:
@@ -114,7 +114,7 @@ class StepBuilder:
         key = tuple(q.uid for q in sampled)
         if key != self._sampling_key[0] or self._sampling is None:
             # Rebuilt only when the rows change: a decode batch keeps its members for many steps.
-            self._sampling = SamplingRows.build(
+            self._sampling = SamplingBatch.build(
                 [q.params for q in sampled], [q.seed for q in sampled]
             )
             self._sampling_key = (key, any(q.params.uses_penalties for q in sampled))

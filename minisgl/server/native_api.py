@@ -15,7 +15,7 @@ from minisgl.ipc.messages import ControlReply, JSONDict, SubmitItem, TextOutput
 from minisgl.server.errors import APIError, ServiceUnavailable, bad_request
 from minisgl.server.native_protocol import GenerateRequest
 from minisgl.server.reports import usage_reports
-from minisgl.server.request_group import RequestGroup, SequenceResult, make_items
+from minisgl.server.request_group import RequestGroup, SequenceResult
 from minisgl.server.state import ServerState, server_state
 from minisgl.server.streaming import respond, sse, sse_stream
 
@@ -61,13 +61,10 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
         params = body.to_sampling_params()
     except ValueError as exc:
         raise bad_request(exc) from None
-    n = params.n
-    choices = [params.for_choice(i) for i in range(n)]
-    group = state.submit(make_items(prompts, choices, SubmitItem(0, priority=body.priority or 0)))
     base = body.rid or uuid.uuid4().hex
-    state.frontend.name(group, base)
+    group = state.submit(prompts, params, SubmitItem(0, priority=body.priority or 0), base)
     ids = [base] if len(group.rids) == 1 else [f"{base}-{i}" for i in range(len(group.rids))]
-    single = not is_batch and n == 1
+    single = not is_batch and params.n == 1
 
     def full(results: list[SequenceResult]) -> object:
         items = [

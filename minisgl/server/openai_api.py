@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -20,7 +21,7 @@ from minisgl.server.openai_format import (
     usage_chunk,
 )
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
-from minisgl.server.request_group import RequestGroup, SequenceResult, make_items
+from minisgl.server.request_group import RequestGroup, SequenceResult
 from minisgl.server.state import server_state
 from minisgl.server.streaming import respond, sse, sse_stream, usage
 
@@ -40,10 +41,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         messages = body.message_dicts()
     except ValueError as exc:
         raise bad_request(exc) from None
-    choices = [params.for_choice(i) for i in range(params.n)]
-    group = state.submit(make_items([messages], choices, body.submit_base()))
     env = _envelope("chatcmpl", "chat.completion", state.served_model_name)
-    state.frontend.name(group, env.id)  # for /abort_request
+    group = state.submit([messages], params, body.submit_base(), env.id)
     reply = ChatReply(body, env, params.n, state.chat)
     return await respond(request, group, body.stream, reply.stream, reply.full)
 
@@ -84,11 +83,7 @@ class ChatReply:
         parsers = [self.parser() for _ in range(self.n)]
         chunks = _ChatChunks(self, parsers, stream_usage(self.body, results, self.n))
         yield "".join(chunks.chunk(i, {"role": "assistant", "content": ""}) for i in range(self.n))
-
-        def tail() -> str | None:
-            last = usage_chunk(self.body, chunks.env, results, self.n)
-            return sse(last) if last is not None else None
-
+        tail = partial(usage_chunk, self.body, chunks.env, results, self.n)
         async for data in sse_stream(group, first, results, chunks.render, chunks.abort, tail):
             yield data
 
@@ -147,10 +142,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return_prompt_tokens=body.echo and body.logprobs is not None,
         priority=body.priority or 0,
     )
-    choices = [params.for_choice(i) for i in range(params.n)]
-    group = state.submit(make_items(prompts, choices, base))
     env = _envelope("cmpl", "text_completion", state.served_model_name)
-    state.frontend.name(group, env.id)  # for /abort_request
+    group = state.submit(prompts, params, base, env.id)
     reply = CompletionReply(body, env, params.n)
     return await respond(request, group, body.stream, reply.stream, reply.full)
 
@@ -212,10 +205,7 @@ class CompletionReply:
                 return chunk(i, text, logprobs, out.finish_reason)
             return None
 
-        def tail() -> str | None:
-            last = usage_chunk(self.body, self.env, results, self.n)
-            return sse(last) if last is not None else None
-
+        tail = partial(usage_chunk, self.body, self.env, results, self.n)
         async for data in sse_stream(
             group, first, results, render, lambda j, _: chunk(j, "", None, "abort"), tail
         ):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from minisgl.ipc.messages import JSONDict, TokenLogprob
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.server.request_group import SequenceResult
-from minisgl.server.streaming import usage
+from minisgl.server.streaming import sse, usage
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,6 @@ def usage_chunk(
     env: Envelope,
     results: list[SequenceResult],
     n: int,
-) -> JSONDict | None:
-    """The final chunk with the whole usage, when the client asked for it."""
-    return env.wrap([], {"usage": usage(results, n)}) if body.include_usage else None
+) -> str | None:
+    """The final chunk (SSE) with the whole usage, when the client asked for it."""
+    return sse(env.wrap([], {"usage": usage(results, n)})) if body.include_usage else None

@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.queues import Queue
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
@@ -38,8 +39,9 @@ from minisgl.ipc.messages import (
     TokenOutput,
 )
 from minisgl.scheduler.outputs import error_output, token_output
-from minisgl.scheduler.stop import LazyDecoder, StopStringDecoder
+from minisgl.scheduler.stop import TokenizerDecoder
 from minisgl.server.scheduler_control import LoopControl, abort_phase, fit_context
+from minisgl.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -119,7 +121,13 @@ class SchedulerLoop:
         self.sync = RankSync(engine.tp)
         self.sync.require_same(dataclasses.replace(args.config, node_rank=0), "engine flags")
         max_queued = self.sync.share(args.max_queued_requests)
-        self.decoder = server_decoder(engine, args.config, args.tokenizer_copy_dir)
+        # Ranks on node 0 read the tokenizer copy the worker saved (the worker saves it before
+        # it passes on any request), and load it ahead when idle; ranks on other nodes have no
+        # such copy (nor worker) and load the tokenizer themselves, if a request needs it.
+        on_node0 = Topology.of(args.config).node_of(engine.tp.rank) == 0
+        self.tokenizer_copy = Path(args.tokenizer_copy_dir) if on_node0 else None
+        source = args.tokenizer_copy_dir if on_node0 else args.config.tokenizer
+        self.decoder = TokenizerDecoder(load=partial(load_tokenizer, engine.resolved, source))
         self.scheduler = Scheduler(engine, decode=self.decoder)
         # Steps and aborts go through it: it folds what each step produced into a digest,
         # which /debug/integrity compares across the ranks.
@@ -199,8 +207,9 @@ class SchedulerLoop:
                 # Idle-time work changes no scheduler state (each rank may do it on its own
                 # clock): control replies, the leak guard, warming the tokenizer.
                 self.control.on_idle()
-                if isinstance(self.decoder, StopStringDecoder):
-                    self.decoder.preload()
+                copy = self.tokenizer_copy
+                if copy is not None and not self.decoder.loaded and copy.is_dir():
+                    _ = self.decoder.tokenizer  # loaded now, not when a request needs it
 
     def _handle(self, msg: object, outputs: list[TokenOutput]) -> None:
         if isinstance(msg, AddRequests):
@@ -283,13 +292,3 @@ class SchedulerLoop:
         if req.finished:
             del self.live[req.uid], self.reported[req.uid]
         return out
-
-
-def server_decoder(
-    engine: Engine, config: EngineConfig, copy_dir: str
-) -> Callable[[list[int]], str]:
-    """Ranks on node 0 read the tokenizer copy the worker saved; ranks on other nodes have no
-    such copy (nor worker) and load the tokenizer themselves, if a request needs it."""
-    if Topology.of(config).node_of(engine.tp.rank) == 0:
-        return StopStringDecoder(copy_dir)
-    return LazyDecoder(engine.resolved, config.tokenizer)

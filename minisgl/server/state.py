@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
 from minisgl.ipc.messages import JSONDict, SubmitItem
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.chat_hooks import ChatHook, PlainChat
 from minisgl.server.errors import APIError, Draining, ServiceUnavailable, bad_request
 from minisgl.server.frontend import Frontend
-from minisgl.server.request_group import RequestGroup
+from minisgl.server.request_group import Prompt, RequestGroup, make_items
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +41,22 @@ class ServerState:
     def served_model_name(self) -> str:
         return self.info.served_model_name
 
-    def submit(self, items: list[SubmitItem]) -> RequestGroup:
+    def submit(
+        self, prompts: Sequence[Prompt], params: SamplingParams, base: SubmitItem, name: str
+    ) -> RequestGroup:
+        """A sequence per prompt and choice (``params.n`` of them); ``name`` is the id the
+        response carries, by which /abort_request finds the group."""
+        choices = [params.for_choice(i) for i in range(params.n)]
         try:
-            return self.frontend.submit(items)
+            group = self.frontend.submit(make_items(prompts, choices, base))
         except Draining as exc:
             raise APIError(503, str(exc)) from None
         except ServiceUnavailable as exc:
             raise APIError(503, f"the engine is not available: {exc}") from None
         except ValueError as exc:
             raise bad_request(exc) from None
+        self.frontend.name(group, name)
+        return group
 
     async def refresh_stats(self) -> None:
         """Fetch the scheduler's stats for the observers (e.g. before /metrics renders)."""

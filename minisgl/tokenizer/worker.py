@@ -167,10 +167,8 @@ class Worker:
                 TokenizedRequest(i.rid, self._tokenize(i), i.params, i.priority) for i in msg.items
             ]
         except Exception as exc:  # template errors, bad roles, ... : the client's fault
-            for item in msg.items:
-                outputs.append(
-                    _error_output(item.rid, f"could not tokenize the prompt: {exc}", 400)
-                )
+            error = f"could not tokenize the prompt: {exc}"
+            outputs += [_error_output(item.rid, error, 400) for item in msg.items]
             return
         for item, req in zip(msg.items, reqs, strict=True):
             p = item.params

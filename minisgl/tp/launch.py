@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_sentinels
-from typing import Any
+from multiprocessing.process import BaseProcess
 
 from minisgl.config import EngineConfig
 from minisgl.distributed.topology import Topology
@@ -35,14 +35,14 @@ STOP_GRACE_S = 10.0
 class RankProcesses:
     """Rank processes spawned on this node (``spawn`` start method, daemonic)."""
 
-    procs: dict[int, Any] = field(default_factory=dict)  # global rank -> Process
+    procs: dict[int, BaseProcess] = field(default_factory=dict)  # global rank -> process
 
     @classmethod
     def spawn(
         cls,
         ranks: list[int],
-        target: Callable[[Any], None],
-        make_args: Callable[[int], Any],
+        target: Callable[[RankArgs], None],
+        make_args: Callable[[int], RankArgs],
     ) -> RankProcesses:
         ctx = mp.get_context("spawn")
         out = cls()
@@ -59,7 +59,7 @@ class RankProcesses:
         return out
 
     @property
-    def pids(self) -> dict[int, int]:
+    def pids(self) -> dict[int, int | None]:
         return {r: p.pid for r, p in self.procs.items()}
 
     def failed(self) -> dict[int, int]:

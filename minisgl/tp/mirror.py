@@ -13,12 +13,13 @@ each rank's integrity check, so a rank that drifted is caught, not just a rank t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from minisgl.distributed.channel import EventChannel
 from minisgl.sampling_params import SamplingParams
@@ -27,7 +28,6 @@ from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-GATHERED = frozenset({"report"})  # ops whose per-rank results are collected on rank 0
 # RankState.summary: what every rank must agree on.
 SUMMARY_KEYS = ("digest", "steps", "running", "waiting", "free_pages", "evictable_pages")
 
@@ -52,7 +52,7 @@ class RankState:
         self.digest = hashlib.blake2b(digest_size=16)
         self.steps = 0
 
-    def apply(self, op: str, args: tuple[Any, ...]) -> Any:
+    def apply(self, op: str, args: tuple[object, ...]) -> object:
         return getattr(self, f"op_{op}")(*args)
 
     def op_add(self, items: list[AddItem]) -> list[Req]:
@@ -79,7 +79,7 @@ class RankState:
     def op_flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
-    def op_report(self) -> dict[str, Any]:
+    def op_report(self) -> dict[str, object]:
         s = self.scheduler
         try:
             s.check_integrity()
@@ -98,7 +98,7 @@ class RankState:
             "param_storage_bytes": {n: p.untyped_storage().nbytes() for n, p in params},
         }
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         """What every rank must agree on: what the steps produced, and the KV occupancy."""
         s = self.scheduler
         return {
@@ -117,7 +117,7 @@ class RankState:
         )
         return changed
 
-    def _fold(self, facts: list[Any]) -> None:
+    def _fold(self, facts: list[tuple[object, ...]]) -> None:
         if facts:
             self.digest.update(repr(facts).encode())
 
@@ -140,15 +140,16 @@ class MirroredScheduler:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._local, name)
 
-    def _call(self, op: str, *args: Any) -> Any:
+    @contextlib.contextmanager
+    def _mirrored(self, op: str, *args: object) -> Iterator[RankState]:
+        """Send the call to the followers; the block applies it to rank 0's state."""
         if self._stopped:
             raise RuntimeError("the TP ranks have been shut down (LLM.close)")
         if self.broken is not None:
             raise RuntimeError(f"the TP ranks are out of step after {self.broken}; recreate")
         try:
             self._channel.broadcast((op, args))
-            result = self._state.apply(op, args)
-            return self._channel.gather(result) if op in GATHERED else result
+            yield self._state
         except BaseException as exc:
             # An error (or Ctrl-C) part-way through a call may have left the followers inside
             # a collective that rank 0 never reached: nothing after it can be trusted.
@@ -164,7 +165,8 @@ class MirroredScheduler:
         for ids, params, priority in full:  # validate on rank 0: followers never see a bad item
             self._local.check_request(ids, params, priority)
         adds = [self._item(next(self._local.uids), ids, p, prio) for ids, p, prio in full]
-        return list(self._call("add", adds))
+        with self._mirrored("add", adds) as state:
+            return state.op_add(adds)
 
     def _item(
         self, uid: int, ids: Sequence[int], params: SamplingParams, priority: int = 0
@@ -182,26 +184,33 @@ class MirroredScheduler:
         uid: int | None = None,
         priority: int = 0,
     ) -> Req:
-        if uid is not None:
-            self._local.check_request(prompt_ids, params, priority)
-            return list(self._call("add", [self._item(uid, prompt_ids, params, priority)]))[0]
-        return self.add_requests([(prompt_ids, params, priority)])[0]
+        if uid is None:
+            return self.add_requests([(prompt_ids, params, priority)])[0]
+        self._local.check_request(prompt_ids, params, priority)
+        adds = [self._item(uid, prompt_ids, params, priority)]
+        with self._mirrored("add", adds) as state:
+            return state.op_add(adds)[0]
 
     def abort(self, uid: int) -> Req | None:
-        return self._call("abort", uid)  # type: ignore[no-any-return]
+        with self._mirrored("abort", uid) as state:
+            return state.op_abort(uid)
 
     def step(self) -> list[Req]:
-        return self._call("step")  # type: ignore[no-any-return]
+        with self._mirrored("step") as state:
+            return state.op_step()
 
     def drain(self) -> list[Req]:
-        return self._call("drain")  # type: ignore[no-any-return]
+        with self._mirrored("drain") as state:
+            return state.op_drain()
 
     def flush_cache(self) -> bool:
-        return bool(self._call("flush_cache"))
+        with self._mirrored("flush_cache") as state:
+            return state.op_flush_cache()
 
-    def reports(self) -> list[dict[str, Any]]:
+    def reports(self) -> list[dict[str, object]]:
         """Every rank's integrity check, step digest and shard sizes, in rank order."""
-        return list(self._call("report") or [])
+        with self._mirrored("report") as state:
+            return self._channel.gather(state.op_report()) or []
 
     def check_integrity(self) -> None:
         """Each rank's own KV check, plus: every rank applied and produced the same."""
@@ -223,7 +232,7 @@ class MirroredScheduler:
         return True
 
 
-def report_problems(reports: list[dict[str, Any]]) -> list[str]:
+def report_problems(reports: list[dict[str, object]]) -> list[str]:
     """What is wrong across the ranks' reports (``{"rank", "error", **summary()}``, in rank
     order): each rank's own integrity error, and any disagreement between the ranks."""
     problems = [f"rank {r['rank']}: {r['error']}" for r in reports if r["error"] is not None]
@@ -241,7 +250,7 @@ def report_problems(reports: list[dict[str, Any]]) -> list[str]:
 def follow(state: RankState, channel: EventChannel) -> None:
     """A follower's loop: apply what rank 0 sends until it says stop."""
     while True:
-        op, args = channel.broadcast()
+        op, args = cast("tuple[str, tuple[object, ...]]", channel.broadcast())
         if op == "stop":
             return
         try:
@@ -251,5 +260,5 @@ def follow(state: RankState, channel: EventChannel) -> None:
             # the loop keeps this rank in step with it.
             logger.exception("rank %d: %s failed", state.rank, op)
             result = None
-        if op in GATHERED:
+        if op == "report":  # per-rank results, collected on rank 0
             channel.gather(result)

@@ -7,14 +7,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.engine import Engine, pick_device
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.stop import TokenizerDecoder
-from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer import Tokenizer, load_tokenizer
 from minisgl.tp.launch import RankProcesses
 from minisgl.tp.mirror import MirroredScheduler
 
@@ -22,7 +21,7 @@ from minisgl.tp.mirror import MirroredScheduler
 @dataclass
 class OfflineTP:
     engine: Engine
-    tokenizer: Any
+    tokenizer: Tokenizer
     scheduler: MirroredScheduler
     followers: RankProcesses  # the ranks this process spawned
     teardown: Callable[[], None]
@@ -48,7 +47,7 @@ def start_offline_tp(config: EngineConfig, owner: object) -> OfflineTP:
     tp = TPInfo(0, config.tp_size)
     device = rank_device(config, tp, pick_device(config.device))  # fail before spawning
     followers = spawn_followers(config)
-    holder: dict[str, Any] = {}
+    holder: dict[str, MirroredScheduler] = {}
     # A finalizer, not __del__: it runs once, at close(), at garbage collection or at
     # interpreter exit, and holds nothing that keeps the owner alive.
     teardown = weakref.finalize(owner, _stop_tp, holder, followers)
@@ -70,7 +69,7 @@ def start_offline_tp(config: EngineConfig, owner: object) -> OfflineTP:
     return OfflineTP(engine, tokenizer, mirror, followers, teardown)
 
 
-def _stop_tp(holder: dict[str, Any], followers: Any) -> None:
+def _stop_tp(holder: dict[str, MirroredScheduler], followers: RankProcesses) -> None:
     from minisgl.distributed.group import destroy_tp_group
     from minisgl.tp import leave_tp_group
 

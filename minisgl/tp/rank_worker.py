@@ -12,18 +12,18 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 from minisgl.config import EngineConfig
+from minisgl.ipc.child import run_child
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
-LOG_FORMAT = "%(asctime)s %(levelname)s [tp%(rank)s] %(name)s: %(message)s"
+LOG_FORMAT = "%(asctime)s %(levelname)s [tp{rank}] %(name)s: %(message)s"
 
 
 @dataclass(frozen=True)
@@ -37,18 +37,9 @@ class RankArgs:
 def run_rank(args: RankArgs) -> None:
     """Entry point of a spawned follower rank."""
     _setup(args)
-    code = 0
-    try:
-        follow_offline(args.config, args.rank)
-    except BaseException:
-        logger.exception("rank %d failed", args.rank)
-        code = 1
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Interpreter teardown with torch and gloo loaded takes seconds and can block on the
-    # groups' threads; there is nothing left to flush.
-    os._exit(code)
+    # Leaves through os._exit: interpreter teardown with torch and gloo loaded takes seconds
+    # and can block on the groups' threads.
+    run_child(lambda: follow_offline(args.config, args.rank))
 
 
 def follow_offline(config: EngineConfig, rank: int) -> None:
@@ -57,14 +48,16 @@ def follow_offline(config: EngineConfig, rank: int) -> None:
     from minisgl.distributed.group import share_cpu_threads
     from minisgl.engine.engine import Engine, pick_device
     from minisgl.scheduler.scheduler import Scheduler
-    from minisgl.scheduler.stop import LazyDecoder
+    from minisgl.scheduler.stop import TokenizerDecoder
+    from minisgl.tokenizer import load_tokenizer
     from minisgl.tp import leave_tp_group
     from minisgl.tp.mirror import RankState, follow
 
     tp = TPInfo(rank, config.tp_size)
     share_cpu_threads(config, pick_device(config.device))
     engine = Engine(config, tp)
-    scheduler = Scheduler(engine, decode=LazyDecoder(engine.resolved, config.tokenizer))
+    load = partial(load_tokenizer, engine.resolved, config.tokenizer)  # if a request needs it
+    scheduler = Scheduler(engine, decode=TokenizerDecoder(load=load))
     channel = EventChannel(tp)
     channel.handshake("offline")
     logger.info("rank %d ready on %s", rank, engine.device)
@@ -73,15 +66,8 @@ def follow_offline(config: EngineConfig, rank: int) -> None:
 
 
 def _setup(args: RankArgs) -> None:
-    old_factory = logging.getLogRecordFactory()
-
-    def factory(*a: Any, **kw: Any) -> logging.LogRecord:
-        record = old_factory(*a, **kw)
-        record.rank = args.rank
-        return record
-
-    logging.setLogRecordFactory(factory)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, force=True)
+    log_format = LOG_FORMAT.format(rank=args.rank)
+    logging.basicConfig(level=args.log_level.upper(), format=log_format, force=True)
     # Ctrl-C reaches the whole process group; rank 0 owns shutdown and stops us itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -12,12 +12,13 @@ started with other engine flags fail, and ``share`` hands every rank rank 0's se
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TypeVar, cast
 
 from minisgl.distributed import TPInfo
 from minisgl.distributed.channel import EventChannel, ProtocolMismatch
 
 MODE = "server"
+T = TypeVar("T")
 
 
 class RankSync:
@@ -33,15 +34,16 @@ class RankSync:
         """Only rank 0 owns sockets: it reads requests and sends outputs."""
         return self.tp.is_primary
 
-    def exchange(self, msgs: list[Any] | None = None) -> list[Any] | None:
+    def exchange(self, msgs: list[object] | None = None) -> list[object] | None:
         """Rank 0: pass the messages read this iteration (maybe []); every rank gets them
         back in rank 0's order. None means rank 0 has stopped: leave the loop."""
         if self.tp.size == 1:
             return msgs
         if self.tp.is_primary:
             assert msgs is not None, "rank 0 sends a list every iteration, [] when idle"
-            return list(self.channel.broadcast(("msgs", msgs))[1])
-        kind, payload = self.channel.broadcast()
+            self.channel.broadcast(("msgs", msgs))
+            return msgs
+        kind, payload = cast("tuple[str, list[object]]", self.channel.broadcast())
         if kind == "stop":
             self.stopped = True
             self.channel.gather(None)  # the acknowledgement `stop` waits for
@@ -57,11 +59,11 @@ class RankSync:
             self.channel.broadcast(("stop", None))
             self.channel.gather(None)
 
-    def share(self, value: Any) -> Any:
+    def share(self, value: T) -> T:
         """Startup, every rank: rank 0's ``value`` (e.g. a server flag that only node 0 got)."""
-        return self.channel.broadcast(value if self.tp.is_primary else None)
+        return cast(T, self.channel.broadcast(value if self.tp.is_primary else None))
 
-    def require_same(self, value: Any, what: str) -> None:
+    def require_same(self, value: object, what: str) -> None:
         """Startup, every rank: fail unless ``value`` equals rank 0's (e.g. the engine flags:
         ranks that schedule differently diverge at the first step). The rank that differs
         fails, and rank 0 fails too, naming every such rank."""
@@ -69,15 +71,17 @@ class RankSync:
         mine = None if first == value else f"rank {self.tp.rank}: {_differences(first, value)}"
         others = [m for m in self.gather(mine) or [] if m is not None]
         if mine is not None or others:
-            raise ProtocolMismatch(f"{what} differ from rank 0's: {'; '.join(others or [mine])}")
+            raise ProtocolMismatch(
+                f"{what} differ from rank 0's: {'; '.join(others or [str(mine)])}"
+            )
 
-    def gather(self, obj: Any) -> list[Any] | None:
+    def gather(self, obj: T) -> list[T] | None:
         """Per-rank answers (e.g. each rank's integrity error or None) on rank 0, rank order.
         Every rank must call it at the same point of the same iteration."""
         return self.channel.gather(obj)
 
 
-def _differences(first: Any, value: Any) -> str:
+def _differences(first: object, value: object) -> str:
     if dataclasses.is_dataclass(first) and type(first) is type(value):
         names = [f.name for f in dataclasses.fields(first)]
         return ", ".join(

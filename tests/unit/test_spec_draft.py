@@ -66,7 +66,9 @@ def test_greedy_outputs_unchanged(
     draft, overlap = str(options.pop("draft")), bool(options.pop("overlap", False))
     llm = _spec_llm(tiny_models["llama"], draft, drafts, **options)
     if overlap:  # asked for, but speculation needs each step's tokens before the next
-        llm.scheduler = Scheduler(llm.engine, decode=llm._decode, overlap=True)
+        llm.scheduler = Scheduler(
+            llm.engine, decode=llm.scheduler.stop_checker.decode, overlap=True
+        )
         assert not llm.scheduler.overlap
     prompts, params = _workload()
     out = llm.generate(prompts, params)

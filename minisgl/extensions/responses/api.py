@@ -20,7 +20,6 @@ from minisgl.extensions.responses.events import ResponseReply
 from minisgl.extensions.responses.request import ResponsesRequest
 from minisgl.server.chat_hooks import chat_hook
 from minisgl.server.errors import bad_request
-from minisgl.server.request_group import make_items
 from minisgl.server.state import server_state
 from minisgl.server.streaming import respond
 
@@ -39,8 +38,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         messages = chat.message_dicts()  # earlier calls' arguments must be JSON: a 400 if not
     except ValueError as exc:
         raise bad_request(exc) from None
-    group = state.submit(make_items([messages], [params], chat.submit_base()))
     tools = chat.chat_tools()
     reply = ResponseReply(body, state.served_model_name, lambda: hook.reply_parser(tools))
-    state.frontend.name(group, reply.id)  # for /abort_request
+    group = state.submit([messages], params, chat.submit_base(), reply.id)
     return await respond(request, group, body.stream, reply.stream, reply.full)
