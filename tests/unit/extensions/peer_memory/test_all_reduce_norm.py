@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 if __name__ == "__main__":  # the interpreter child: make `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
 from tests import kernel_checks  # noqa: E402
 

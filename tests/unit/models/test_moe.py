@@ -17,7 +17,7 @@ import pytest
 import torch
 
 if __name__ == "__main__":  # the interpreter child: make `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from minisgl.distributed import TPInfo
 from minisgl.layers.moe import SparseMoE, moe_reference, select_experts

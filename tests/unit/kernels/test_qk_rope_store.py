@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 if __name__ == "__main__":  # the interpreter child: make `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import RopeConfig

@@ -27,7 +27,7 @@ from tests.helpers import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SHARED = list(range(10, 50))  # a 40-token prefix: several chunks at chunked_prefill_size=16
 PROMPTS = [[5, 6, 7], SHARED + [60, 61], list(range(100, 137)), SHARED + [70], [9] * 13, [200, 3]]
 MAX_TOKENS = [6, 5, 7, 4, 6, 5]

@@ -140,7 +140,8 @@ def test_function_call_forced_streamed_and_answered(client: openai.OpenAI) -> No
 def test_parallel_tool_calls_echoed_and_applied(client: openai.OpenAI) -> None:
     """The request's parallel_tool_calls comes back (true unless set, as OpenAI's default), in
     the whole response and in the stream's; false keeps only the reply's first call (the chat
-    rule; a two-call reply is unit-tested in tests/unit/test_tool_calls.py)."""
+    rule; a two-call reply is unit-tested in
+    tests/unit/extensions/structured_output/test_tool_calls.py)."""
     pytest.importorskip("xgrammar")
     ask = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER],
            "tool_choice": "required", "max_output_tokens": 96, "temperature": 0,

@@ -246,7 +246,7 @@ def test_int4_gemv_env_switch() -> None:
     code = "from minisgl.extensions.quantization import INT4_GEMV; print(INT4_GEMV.get())"
     for value, want in (("0", "False"), ("off", "False"), ("1", "True")):
         child = env.child_environ({INT4_GEMV: value})
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[4]
         out = subprocess.run(
             [sys.executable, "-c", code], env=child, capture_output=True, text=True, cwd=root
         )

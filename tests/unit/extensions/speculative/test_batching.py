@@ -13,7 +13,7 @@ from minisgl import LLM, SamplingParams
 from minisgl.scheduler.scheduler import Scheduler
 from tests.conftest import assert_engine_clean
 from tests.helpers import perturbed_copy
-from tests.unit.test_scheduler_invariance import BASE, _workload
+from tests.unit.scheduler.test_invariance import BASE, _workload
 
 K = 3
 SMALL_POOL_PAGE4 = dict(
@@ -184,7 +184,7 @@ def test_spec_metrics() -> None:
 def test_abort_with_a_draft_model(tiny_models: dict[str, Path], phase: str) -> None:
     """Aborting (or retracting) a speculating request frees its pages once for both models;
     the other request's tokens, and every draft of the draft-equals-target model, stand."""
-    from tests.unit import test_abort_phases as ap
+    from tests.unit.scheduler import test_abort_phases as ap
 
     path = str(tiny_models["llama"])
     llm = LLM(path, speculative_draft_model=path, speculative_num_steps=K, chunked_prefill_size=16)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 if __name__ == "__main__":  # the interpreter child: make `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from minisgl.layers import activation as torch_act
 from minisgl.layers.norm import RMSNorm
