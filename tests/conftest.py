@@ -8,15 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def assert_engine_clean(llm: object) -> None:
-    """After a run: integrity holds, nothing is running, every page is free or evictable."""
-    sched = llm.scheduler  # type: ignore[attr-defined]
-    sched.check_integrity()
-    assert not sched.running and not sched.waiting
-    kv = sched.kv
-    assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.allocator.num_pages
-    assert kv.cache.protected_pages == 0
+from tests.helpers import assert_engine_clean  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +35,7 @@ def _every_engine_ends_clean(monkeypatch: pytest.MonkeyPatch) -> object:
         if sched is None or getattr(sched, "inflight", None) is not None:
             continue  # a test that stopped mid-step on purpose
         if hasattr(sched, "_channel"):
-            continue  # a TP mirror: test_tp checks every rank's integrity itself
+            continue  # a TP mirror: tests/unit/tp checks every rank's integrity itself
         if sched.running or sched.waiting:
             continue  # a test that left requests queued on purpose checks them itself
         assert_engine_clean(llm)

@@ -9,14 +9,13 @@ from typing import Any
 import pytest
 
 from tests.e2e.server_utils import (
+    QUESTION,
     ServerHandle,
     assert_clean_log,
     pid_alive,
     start_server,
     wait_until,
 )
-
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="session")

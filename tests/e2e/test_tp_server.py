@@ -284,7 +284,7 @@ def test_overlap_scheduling_keeps_the_ranks_in_step(
     from minisgl.ipc import sockets
     from minisgl.ipc.messages import AbortRequests
     from minisgl.server.scheduler_process import SchedulerArgs, SchedulerLoop
-    from tests.e2e.test_scheduler_process import Harness
+    from tests.e2e.scheduler_harness import Harness
 
     path = str(models["llama_kv1"])
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

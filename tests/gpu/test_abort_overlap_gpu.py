@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import ABORT_AT, check_abort_mix, make_tiny_model, run_abort_mix
+from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.workloads import ABORT_AT, check_abort_mix, run_abort_mix
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model, perturbed_copy, shared_prefix_workload
+from tests.helpers import assert_engine_clean, make_tiny_model, perturbed_copy
 from tests.kernel_checks import Skip
 from tests.unit.kernels.test_qk_rope_store import CHECKS
+from tests.workloads import shared_prefix_workload
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,8 +19,7 @@ import torch
 
 from minisgl import LLM, SamplingParams, env
 from minisgl.extensions.quantization import INT4_GEMV
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.int4_checkpoints import write_quantized
 
 pytestmark = [

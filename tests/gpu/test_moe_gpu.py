@@ -14,8 +14,7 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers.moe import moe_reference
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.kernel_checks import Skip
 from tests.unit.models.test_moe import CHECKS, moe_case
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
+from tests.helpers import assert_engine_clean
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

@@ -24,7 +24,7 @@ from tests.e2e.server_utils import (
     start_server,
     wait_idle_and_check,
 )
-from tests.helpers import thinking_chat
+from tests.workloads import thinking_chat
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")

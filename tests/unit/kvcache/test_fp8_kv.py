@@ -15,8 +15,7 @@ from minisgl.cli import build_parser, engine_config
 from minisgl.config import EngineConfig
 from minisgl.kvcache.kv_dtype import kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
-from tests.conftest import assert_engine_clean
-from tests.helpers import hf_greedy, make_tiny_model
+from tests.helpers import assert_engine_clean, hf_greedy, make_fp8_robust_llama, make_tiny_model
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 CPU = torch.device("cpu")
@@ -114,23 +113,6 @@ def test_cli_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ---------------------------------------------------------------- whole engine (CPU)
-def make_fp8_robust_llama(path: Path, **overrides: object) -> Path:
-    """A tiny Llama whose greedy path survives fp8 K/V: small weights (init_std 0.03) and
-    the embeddings scaled by 4. Measured on 4 prompts x 12 tokens (CPU, fp32): fp8 e4m3 and
-    e5m2 both match HF on all of them (prompt logprobs within 0.005 / 0.009 of the fp32
-    cache), while K/V scaled by 1.25 already flips tokens (logprobs off by 0.05), zeroed K/V
-    by 0.2 and random K/V by 0.5: attention matters in this model. Larger init_std (more
-    peaked logits, but sharper attention too) flipped greedy tokens under fp8 within a few
-    steps."""
-    from safetensors.torch import load_file, save_file
-
-    path = make_tiny_model(path, "llama", init_std=0.03, **overrides)
-    weights = load_file(str(path / "model.safetensors"))
-    weights["model.embed_tokens.weight"] *= 4
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return path
-
-
 @pytest.fixture(scope="module")
 def robust_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_fp8_robust_llama(tmp_path_factory.mktemp("fp8") / "robust")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
+from tests.helpers import assert_engine_clean
 
 
 @pytest.fixture(scope="module")

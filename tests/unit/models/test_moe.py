@@ -209,8 +209,7 @@ def moe_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 )
 def test_greedy_matches_hf(tmp_path: Path, overrides: dict) -> None:
     from minisgl import LLM, SamplingParams
-    from tests.conftest import assert_engine_clean
-    from tests.helpers import hf_greedy, make_tiny_model
+    from tests.helpers import assert_engine_clean, hf_greedy, make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", "qwen3_moe", seed=1, **overrides)
     ref_tokens, ref_logprobs = hf_greedy(path, PROMPTS, N_NEW)

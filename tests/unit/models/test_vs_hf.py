@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import hf_greedy, make_tiny_model
+from tests.helpers import assert_engine_clean, hf_greedy, make_tiny_model
 
 PROMPTS = [
     [5, 6, 7],

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import check_abort_mix, run_abort_mix
+from tests.helpers import assert_engine_clean
+from tests.workloads import check_abort_mix, run_abort_mix
 
 
 def test_aborts_in_a_mixed_batch_under_overlap(tiny_models: dict[str, Path]) -> None:

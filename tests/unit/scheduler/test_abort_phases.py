@@ -8,50 +8,24 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from minisgl.scheduler.request import Req
-from minisgl.scheduler.scheduler import Scheduler
-from tests.conftest import assert_engine_clean
-
-LONG = list(range(3, 103))
-OTHER = [7, 8, 9, 10, 11]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def _until(sched: Scheduler, cond: Callable[[], bool], limit: int = 200) -> None:
-    for _ in range(limit):
-        if cond():
-            return
-        sched.step()
-    raise AssertionError("condition never reached")
-
-
-def _waiting(s: Scheduler, victim: Req) -> None:
-    pass  # never stepped: still in the queue
-
-
-def _mid_chunked_prefill(s: Scheduler, victim: Req) -> None:
-    _until(s, lambda: 0 < victim.kv_len < len(victim.prompt_ids))
-
-
-def _decoding(s: Scheduler, victim: Req) -> None:
-    _until(s, lambda: len(victim.output_ids) >= 2)
-
-
-def _finishing_step(s: Scheduler, victim: Req) -> None:
-    # Its last token is sampled by the batch in flight: abort before the host sees it.
-    _until(s, lambda: victim.num_generated >= victim.params.max_tokens and victim.inflight > 0)
-
-
-def _retracted(s: Scheduler, victim: Req) -> None:
-    _until(s, lambda: len(victim.output_ids) >= 1)
-    s.preemption.retract(victim)  # as when the pool runs dry during decode
-    assert victim in s.waiting and victim.output_ids
+from tests.helpers import assert_engine_clean
+from tests.workloads import (
+    GREEDY,
+    LONG,
+    OTHER,
+    decoding,
+    finishing_step,
+    mid_chunked_prefill,
+    retracted,
+    step_until,
+    waiting,
+)
 
 
 @pytest.mark.parametrize(
     "phase",
-    [_waiting, _mid_chunked_prefill, _decoding, _finishing_step, _retracted],
-    ids=lambda f: f.__name__.strip("_"),
+    [waiting, mid_chunked_prefill, decoding, finishing_step, retracted],
+    ids=lambda f: f.__name__,
 )
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -62,7 +36,7 @@ def test_abort_frees_once(
     reference = llm.generate([OTHER], GREEDY)[0]["token_ids"]
     s = llm.scheduler
     s.overlap = overlap
-    if phase is _finishing_step and not overlap:
+    if phase is finishing_step and not overlap:
         pytest.skip("only overlap scheduling has a token in flight")
     victim = s.add_request(LONG, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     other = s.add_request(OTHER, GREEDY)
@@ -70,7 +44,7 @@ def test_abort_frees_once(
     assert s.abort(victim.uid) is victim
     assert victim.finished and victim.finish_reason == "abort"
     assert s.abort(victim.uid) is None  # a second abort finds nothing to free
-    _until(s, lambda: other.finished and s.inflight is None, limit=400)
+    step_until(s, lambda: other.finished and s.inflight is None, limit=400)
     s.drain()
     assert other.output_ids == reference
     assert_engine_clean(llm)

@@ -8,30 +8,9 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
+from tests.helpers import assert_engine_clean
+from tests.workloads import SCHEDULING_BASE, scheduling_workload
 
-
-def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    rng = random.Random(7)
-    system = [rng.randrange(3, 256) for _ in range(70)]
-    prompts: list[list[int]] = []
-    for i in range(14):
-        if i % 3 == 0:
-            body = [rng.randrange(3, 256) for _ in range(rng.randint(1, 120))]
-        else:
-            body = system + [rng.randrange(3, 256) for _ in range(rng.randint(1, 30))]
-        prompts.append(body)
-    prompts.append(list(prompts[1]))  # an exact repeat
-    params = [
-        SamplingParams(temperature=0, max_tokens=rng.randint(5, 40), ignore_eos=True)
-        for _ in prompts
-    ]
-    return prompts, params
-
-
-BASE = dict(
-    page_size=1, cache="radix", chunked_prefill_size=8192, schedule_policy="fcfs", num_pages=4096
-)
 VARIANTS = {
     "naive": dict(cache="naive"),
     "chunk16": dict(chunked_prefill_size=16),
@@ -80,8 +59,8 @@ PRIORITIES = [(i * 7) % 5 - 2 for i in range(15)]
 
 @pytest.fixture(scope="module")
 def reference(tiny_models: dict[str, Path]) -> list[list[int]]:
-    prompts, params = _workload()
-    llm = LLM(str(tiny_models["llama"]), **BASE)
+    prompts, params = scheduling_workload()
+    llm = LLM(str(tiny_models["llama"]), **SCHEDULING_BASE)
     return [r["token_ids"] for r in llm.generate(prompts, params)]
 
 
@@ -89,8 +68,8 @@ def reference(tiny_models: dict[str, Path]) -> list[list[int]]:
 def test_outputs_identical(
     tiny_models: dict[str, Path], reference: list[list[int]], name: str
 ) -> None:
-    prompts, params = _workload()
-    options = {**BASE, **VARIANTS[name]}
+    prompts, params = scheduling_workload()
+    options = {**SCHEDULING_BASE, **VARIANTS[name]}
     overlap = bool(options.pop("overlap", False))
     llm = LLM(str(tiny_models["llama"]), **options)
     llm.scheduler.overlap = overlap
@@ -192,8 +171,8 @@ def test_rows_point_at_their_cached_prefix_at_every_step(
     """The integrity check between every step of a prefix-sharing workload (requests that
     repeat a prompt, chunked so several compute the same prefix): each live row's cached
     prefix is its locked tree path (upstream #142). A row pointing elsewhere is caught."""
-    prompts, params = _workload()
-    llm = LLM(str(tiny_models["llama"]), **{**BASE, **options})
+    prompts, params = scheduling_workload()
+    llm = LLM(str(tiny_models["llama"]), **{**SCHEDULING_BASE, **options})
     sched = llm.scheduler
     sched.overlap = False  # the check is defined between batches
     for ids, p in zip(prompts, params):

@@ -13,7 +13,7 @@ import pytest
 from minisgl import LLM, SamplingParams
 from minisgl.scheduler.request import Req, ReqState
 from minisgl.scheduler.scheduler import Scheduler
-from tests.conftest import assert_engine_clean
+from tests.helpers import assert_engine_clean
 
 
 def _greedy(n: int) -> SamplingParams:

@@ -14,7 +14,7 @@ from minisgl.cli import build_parser, engine_config
 from minisgl.config import EngineConfig
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler
-from tests.conftest import assert_engine_clean
+from tests.helpers import assert_engine_clean
 
 PROMPTS = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(5)]
 

@@ -19,7 +19,7 @@ from minisgl.server.errors import param_of
 from minisgl.server.native_protocol import GenerateRequest
 from minisgl.server.protocol import CompletionRequest
 from minisgl.tokenizer.stop_regex import StopRegexFilter
-from tests.conftest import assert_engine_clean
+from tests.helpers import assert_engine_clean
 
 
 def reference(text: str, patterns: list[str]) -> tuple[str, str | None]:

@@ -22,8 +22,7 @@ from minisgl import LLM, SamplingParams, env
 from minisgl.cli import build_parser, engine_config
 from minisgl.config import EngineConfig
 from minisgl.distributed.topology import Topology, free_port, split_addr
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,8 +15,7 @@ from minisgl import LLM, SamplingParams, env
 from minisgl.extensions.quantization import INT4_GEMV
 from minisgl.extensions.quantization import int4 as q
 from minisgl.layers.quantization import parse_quant_config, quant_method_names
-from tests.conftest import assert_engine_clean
-from tests.helpers import hf_greedy, make_tiny_model
+from tests.helpers import assert_engine_clean, hf_greedy, make_tiny_model
 from tests.int4_checkpoints import AWQ_PACK_ORDER, write_quantized
 
 PROMPTS = [[5, 6, 7], list(range(40, 73)), [3] * 21]

@@ -11,9 +11,16 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.scheduler.scheduler import Scheduler
-from tests.conftest import assert_engine_clean
-from tests.helpers import perturbed_copy
-from tests.unit.scheduler.test_invariance import BASE, _workload
+from tests.helpers import assert_engine_clean, perturbed_copy
+from tests.workloads import (
+    ABORT_PHASES,
+    GREEDY,
+    LONG,
+    OTHER,
+    SCHEDULING_BASE,
+    scheduling_workload,
+    step_until,
+)
 
 K = 3
 SMALL_POOL_PAGE4 = dict(
@@ -42,8 +49,8 @@ def drafts(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="module")
 def reference(tiny_models: dict[str, Path]) -> list[list[int]]:
-    prompts, params = _workload()
-    llm = LLM(str(tiny_models["llama"]), **BASE)
+    prompts, params = scheduling_workload()
+    llm = LLM(str(tiny_models["llama"]), **SCHEDULING_BASE)
     return [r["token_ids"] for r in llm.generate(prompts, params)]
 
 
@@ -62,13 +69,13 @@ def test_greedy_outputs_unchanged(
     reference: list[list[int]],
     name: str,
 ) -> None:
-    options = {**BASE, **CASES[name]}
+    options = {**SCHEDULING_BASE, **CASES[name]}
     draft, overlap = str(options.pop("draft")), bool(options.pop("overlap", False))
     llm = _spec_llm(tiny_models["llama"], draft, drafts, **options)
     if overlap:  # asked for, but speculation needs each step's tokens before the next
         llm.scheduler = Scheduler(llm.engine, decode=llm._decode, overlap=True)
         assert not llm.scheduler.overlap
-    prompts, params = _workload()
+    prompts, params = scheduling_workload()
     out = llm.generate(prompts, params)
     assert [r["token_ids"] for r in out] == reference
     assert_engine_clean(llm)
@@ -184,17 +191,15 @@ def test_spec_metrics() -> None:
 def test_abort_with_a_draft_model(tiny_models: dict[str, Path], phase: str) -> None:
     """Aborting (or retracting) a speculating request frees its pages once for both models;
     the other request's tokens, and every draft of the draft-equals-target model, stand."""
-    from tests.unit.scheduler import test_abort_phases as ap
-
     path = str(tiny_models["llama"])
     llm = LLM(path, speculative_draft_model=path, speculative_num_steps=K, chunked_prefill_size=16)
     s = llm.scheduler
-    victim = s.add_request(ap.LONG, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    other = s.add_request(ap.OTHER, ap.GREEDY)
-    getattr(ap, f"_{phase}")(s, victim)
+    victim = s.add_request(LONG, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    other = s.add_request(OTHER, GREEDY)
+    ABORT_PHASES[phase](s, victim)
     s.check_integrity()
     assert s.abort(victim.uid) is victim
-    ap._until(s, lambda: other.finished)
-    assert other.output_ids == LLM(path).generate([ap.OTHER], ap.GREEDY)[0]["token_ids"]
+    step_until(s, lambda: other.finished)
+    assert other.output_ids == LLM(path).generate([OTHER], GREEDY)[0]["token_ids"]
     assert s.totals["spec_accepted_tokens"] == s.totals["spec_draft_tokens"] > 0
     assert_engine_clean(llm)

@@ -97,7 +97,7 @@ def test_same_seed_same_tokens_regardless_of_batch() -> None:
 def test_ngram_speculation_keeps_greedy_outputs(tiny_models: dict) -> None:  # type: ignore[type-arg]
     """Speculation on vs off: identical greedy tokens, with drafts actually accepted."""
     from minisgl import LLM, SamplingParams
-    from tests.conftest import assert_engine_clean
+    from tests.helpers import assert_engine_clean
 
     prompts = [[5, 6, 7, 8] * 6, list(range(40, 70)), [9, 9, 9], [100, 101, 102, 100, 101]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (30, 17, 25, 9)]

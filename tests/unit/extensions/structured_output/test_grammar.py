@@ -20,8 +20,8 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.engine.logit_mask import apply_token_bitmask
-from tests.conftest import assert_engine_clean
-from tests.helpers import thinking_chat
+from tests.helpers import assert_engine_clean
+from tests.workloads import thinking_chat
 
 xgr = pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -137,7 +137,7 @@ def test_preemption_keeps_the_grammar_state(llm: LLM) -> None:
         assert_engine_clean(small)
 
 
-# Reasoning (grammar_after): worked turns (tests/helpers.py) make a greedy reply think on its
+# Reasoning (grammar_after): worked turns (tests/workloads.py) make a greedy reply think on its
 # own and then end its thinking.
 CITY = {
     "type": "object",
