@@ -1,31 +1,22 @@
-"""The server's external shapes without a model: HTTP request bodies and their sampling
-parameters, the IPC message codec, and the command line."""
+"""The server's external shapes without a model: HTTP request bodies and the sampling
+parameters they become, and token-id prompts checked without changing their meaning."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 from pydantic import ValidationError
 
-from minisgl.cli import build_parser, engine_config
-from minisgl.config import EngineConfig, option_names
-from minisgl.ipc.codec import decode, encode
-from minisgl.ipc.messages import (
-    AddRequests,
-    StepOutputs,
-    SubmitItem,
-    SubmitRequest,
-    TokenizedRequest,
-    TokenLogprob,
-    TokenOutput,
-    TopLogprob,
-)
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.errors import param_of
 from minisgl.server.native_protocol import GenerateRequest
-from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest, server_params
+from minisgl.server.protocol import (
+    MAX_TOKEN_ID,
+    ChatCompletionRequest,
+    CompletionRequest,
+    server_params,
+)
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -137,21 +128,6 @@ def test_choices_get_distinct_seeds() -> None:
     assert unseeded.for_choice(1).seed is None
 
 
-def test_sampling_params_are_built_once_and_frozen() -> None:
-    """One validated object from the route to the scheduler: frozen, its checks run when it
-    is built (not when it is copied per choice, or decoded from IPC)."""
-    params = SamplingParams(max_tokens=None, stop="x", stop_regex=r"\d")
-    assert params.stop == ["x"] and params.stop_regex == [r"\d"]
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        params.temperature = 0.5  # type: ignore[misc]
-    with pytest.raises(ValueError, match="min_tokens"):
-        dataclasses.replace(params, max_tokens=1, min_tokens=2)
-    # The server's "fill the context", resolved by the scheduler process.
-    assert params.with_max_tokens(7).max_tokens == 7
-    with pytest.raises(ValueError, match="min_tokens"):
-        dataclasses.replace(params, min_tokens=5).with_max_tokens(4)
-
-
 def test_priority_field_is_strict() -> None:
     """vLLM's / SGLang's `priority`: an integer in the signed 64-bit range (it crosses IPC as
     msgpack); a bool, a numeric string or a float is a 400 naming the field."""
@@ -166,97 +142,7 @@ def test_priority_field_is_strict() -> None:
         assert info.value.errors()[0]["loc"] == ("priority",)
 
 
-# ---------------------------------------------------------------- IPC codec
-def test_messages_round_trip() -> None:
-    fill = SamplingParams(max_tokens=None)
-    template = {"enable_thinking": False}
-    logprob = TokenLogprob(7, -0.5, [TopLogprob(7, -0.5), TopLogprob(9, -1.5)])
-    msgs = [
-        SubmitRequest([SubmitItem(1, messages=MSG, params=fill, return_prompt_text=True)]),
-        SubmitRequest(
-            [
-                SubmitItem(
-                    5,
-                    messages=MSG,
-                    chat_template_kwargs=template,
-                    continue_final_message=True,
-                    add_generation_prompt=False,
-                )
-            ]
-        ),
-        AddRequests([TokenizedRequest(2, [1, 2, 3], SamplingParams(stop="a", seed=-(2**63)))]),
-        SubmitRequest(
-            [SubmitItem(6, text="hi", priority=-(2**63)), SubmitItem(7, priority=2**63 - 1)]
-        ),
-        AddRequests([TokenizedRequest(8, [1], SamplingParams(), priority=-3)]),
-        StepOutputs(
-            [
-                TokenOutput(3, [7], 4, 1, 2, "stop", "x", [logprob], counters={"a": 2}),
-                TokenOutput(4, [], finish_reason="abort", error="boom", error_status=500),
-            ]
-        ),
-    ]
-    for msg in msgs:
-        assert decode(encode(msg)) == msg
-
-
-def test_sampling_params_cross_ipc_as_sent() -> None:
-    """Decoding restores the fields as they were sent, without validating again (it was
-    validated where it was built): even a value only the sender's checks could judge."""
-    params = SamplingParams(max_tokens=None, stop=["a"], json_schema='{"type": "object"}')
-    back = decode(encode(TokenizedRequest(1, [2], params))).params
-    assert back == params and back.stop is not params.stop
-    # Defaults left out on the wire come back as new objects (lists are not shared).
-    x, y = (decode(encode(SamplingParams())) for _ in range(2))
-    assert x == y == SamplingParams() and x.stop is not y.stop
-    trusted = dataclasses.replace(params)  # a valid object...
-    object.__setattr__(trusted, "temperature", -1.0)  # ...changed behind the checks' back
-    assert decode(encode(trusted)).temperature == -1.0  # not re-validated on the way
-
-
-def test_unregistered_objects_are_refused() -> None:
-    @dataclasses.dataclass
-    class NotAMessage:
-        x: int = 0
-
-    with pytest.raises(TypeError):
-        encode(NotAMessage())
-
-
-# ---------------------------------------------------------------- command line
-def test_every_config_field_is_a_flag() -> None:
-    parser = build_parser()
-    flags = {opt for action in parser._actions for opt in action.option_strings}
-    for name in option_names(EngineConfig):
-        assert "--" + name.replace("_", "-") in flags, name
-    for alias in ("--tp", "--model-path", "--host", "--port", "--shell", "--served-model-name"):
-        assert alias in flags
-
-
-def test_defaults_match_the_config() -> None:
-    # from_kwargs: the core's defaults and every loaded extension's option group's.
-    defaults = EngineConfig.from_kwargs()
-    assert engine_config(build_parser().parse_args([])) == defaults
-    assert dataclasses.replace(defaults, extensions=()) == EngineConfig()
-
-
-def test_flags_reach_the_config() -> None:
-    args = build_parser().parse_args(
-        ["--model-path", "m", "--page-size", "16", "--tp", "2", "--disable-mixed-batch"]
-        + ["--cache", "naive", "--cuda-graph-max-bs", "0", "--port", "8000"]
-    )
-    cfg = engine_config(args)
-    assert (cfg.model, cfg.page_size, cfg.tp_size, cfg.disable_mixed_batch) == ("m", 16, 2, True)
-    assert (cfg.cache, cfg.cuda_graph_max_bs, args.port) == ("naive", 0, 8000)
-
-
-def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from minisgl.cli import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--page-size", "0"])
-    assert exit_info.value.code == 2
-    assert "page_size" in capsys.readouterr().err
+# ---------------------------------------------------------------- unimplemented fields
 
 
 def test_neutral_forms_of_unimplemented_fields_are_accepted() -> None:
@@ -281,3 +167,15 @@ def test_response_format_becomes_a_json_schema() -> None:
     assert params.regex == "[0-9]+" and params.json_schema is None
     native = GenerateRequest(text="a", sampling_params={"ebnf": 'root ::= "a"'})
     assert native.to_sampling_params().ebnf == 'root ::= "a"'
+
+
+# ---------------------------------------------------------------- token-id prompts
+def test_token_id_prompts_are_checked_without_changing_meaning() -> None:
+    ids = list(range(2100))
+    assert CompletionRequest(prompt=ids).prompts() == [ids]
+    assert CompletionRequest(prompt=[[1, 2], [3]]).prompts() == [[1, 2], [3]]
+    assert CompletionRequest(prompt=[0, MAX_TOKEN_ID]).prompts() == [[0, MAX_TOKEN_ID]]
+    bad = [[1, True], [1, -1], [1, MAX_TOKEN_ID + 1], [1, 2.0], [1, "2"], [[1], [True]], [[1], []]]
+    for prompt in bad:
+        with pytest.raises(ValueError, match="prompt must be"):
+            CompletionRequest(prompt=prompt).prompts()
