@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,15 @@ def _every_engine_ends_clean(monkeypatch: pytest.MonkeyPatch) -> object:
         if sched.running or sched.waiting:
             continue  # a test that left requests queued on purpose checks them itself
         assert_engine_clean(llm)
+
+
+@pytest.fixture
+def short_dist_timeout() -> Iterator[None]:
+    """Spawned ranks inherit it: a divergence between them fails in a minute instead of ten."""
+    from minisgl import env
+
+    with env.override({env.DIST_TIMEOUT_S: 60}):
+        yield
 
 
 @pytest.fixture(scope="session")
