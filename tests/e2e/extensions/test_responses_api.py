@@ -141,7 +141,7 @@ def test_parallel_tool_calls_echoed_and_applied(client: openai.OpenAI) -> None:
     """The request's parallel_tool_calls comes back (true unless set, as OpenAI's default), in
     the whole response and in the stream's; false keeps only the reply's first call (the chat
     rule; a two-call reply is unit-tested in
-    tests/unit/extensions/structured_output/test_tool_calls.py)."""
+    tests/unit/extensions/responses/test_events.py)."""
     pytest.importorskip("xgrammar")
     ask = {"model": MODEL, "input": "Weather in Paris?", "tools": [WEATHER],
            "tool_choice": "required", "max_output_tokens": 96, "temperature": 0,

@@ -95,19 +95,6 @@ def test_parallel_tool_calls_false_keeps_the_first_call(parallel: bool) -> None:
     assert (sent + last.get("content", "")).strip() == "Let me check."
 
 
-@pytest.mark.parametrize("parallel", [True, False])
-def test_responses_output_items_follow_parallel_tool_calls(parallel: bool) -> None:
-    """/v1/responses applies the chat rule: its whole reply (and the final event of its
-    stream) lists every function call, or only the first with parallel_tool_calls false."""
-    from minisgl.extensions.responses.events import output_items
-
-    items = output_items("msg_1", REPLY, ChatReplyParser(None, True, parallel))
-    assert items[0]["type"] == "message"
-    assert items[0]["content"][0]["text"] == "Let me check."
-    names = [i["name"] for i in items if i["type"] == "function_call"]
-    assert names == (["get_weather", "get_time"] if parallel else ["get_weather"])
-
-
 @pytest.mark.parametrize(
     ("tools", "choice", "field"),
     [
