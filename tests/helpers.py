@@ -1,9 +1,11 @@
-"""Shared test helpers: tiny random-weight Hugging Face models built on the fly, and the
-clean-engine check every engine test ends with. Workloads and scheduler drivers are in
-tests/workloads.py."""
+"""Shared test helpers: tiny random-weight Hugging Face models built on the fly, the
+clean-engine check every engine test ends with, and references the engine is compared with
+(Hugging Face greedy decoding, where a stop regex first matches). Workloads and scheduler
+drivers are in tests/workloads.py."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +167,14 @@ def assert_engine_clean(llm: object) -> None:
     kv = sched.kv
     assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.allocator.num_pages
     assert kv.cache.protected_pages == 0
+
+
+def first_regex_stop(llm: Any, ids: list[int], pattern: str) -> tuple[list[int], str]:
+    """Independently of the matcher: the shortest output whose text holds a match (stdlib re,
+    token by token), and that text cut at the match."""
+    for k in range(1, len(ids) + 1):
+        text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
+        m = re.search(pattern, text)
+        if m is not None:
+            return ids[:k], text[: m.start()]
+    raise AssertionError(f"{pattern!r} never matches")

@@ -3,7 +3,6 @@ and the offline API end to end on a tiny model with a word-level tokenizer."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from minisgl.server.errors import param_of
 from minisgl.server.native_protocol import GenerateRequest
 from minisgl.server.protocol import CompletionRequest
 from minisgl.tokenizer.stop_regex import StopRegexFilter
-from tests.helpers import assert_engine_clean
+from tests.helpers import assert_engine_clean, first_regex_stop
 
 
 def reference(text: str, patterns: list[str]) -> tuple[str, str | None]:
@@ -222,17 +221,6 @@ def llm(tiny_models: dict[str, Path]) -> LLM:
     return LLM(str(tiny_models["qwen3"]))
 
 
-def _first_stop(llm: LLM, ids: list[int], pattern: str) -> tuple[list[int], str]:
-    """Independently of the matcher: the shortest output whose text holds a match (stdlib re,
-    token by token), and that text cut at the match."""
-    for k in range(1, len(ids) + 1):
-        text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
-        m = re.search(pattern, text)
-        if m is not None:
-            return ids[:k], text[: m.start()]
-    raise AssertionError(f"{pattern!r} never matches")
-
-
 def _later_word_pattern(full: dict[str, object]) -> str:
     words = str(full["text"]).split(" ")
     # Two words after the first few, as whole words: the match spans two tokens.
@@ -242,7 +230,7 @@ def _later_word_pattern(full: dict[str, object]) -> str:
 def test_generation_stops_at_the_match_and_cuts_the_text(llm: LLM) -> None:
     full = llm.generate([[5, 6, 7]], FULL)[0]
     pattern = _later_word_pattern(full)
-    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    ids, text = first_regex_stop(llm, full["token_ids"], pattern)
     assert len(ids) < len(full["token_ids"])
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern)
     r = llm.generate([[5, 6, 7]], params)[0]
@@ -256,7 +244,7 @@ def test_the_first_completed_pattern_wins_and_strings_still_work(llm: LLM) -> No
     full = llm.generate([[5, 6, 7]], FULL)[0]
     words = str(full["text"]).split(" ")
     late, early = _later_word_pattern(full), rf"(?<!\S){words[3]}(?!\S)"
-    ids, text = _first_stop(llm, full["token_ids"], early)
+    ids, text = first_regex_stop(llm, full["token_ids"], early)
     params = SamplingParams(
         temperature=0, max_tokens=24, ignore_eos=True, stop_regex=["zzz", late, early]
     )
@@ -283,7 +271,7 @@ def test_min_tokens_defers_the_regex(llm: LLM) -> None:
 def test_n_choices_each_stop(llm: LLM) -> None:
     full = llm.generate([[5, 6, 7]], FULL)[0]
     pattern = _later_word_pattern(full)
-    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    ids, text = first_regex_stop(llm, full["token_ids"], pattern)
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern, n=3)
     out = llm.generate([[5, 6, 7], [5, 6, 7]], p)
     assert len(out) == 6
@@ -297,31 +285,12 @@ def test_overlap_scheduling_ends_exactly_at_the_match(tiny_models: dict[str, Pat
     full = llm.generate([[5, 6, 7]], FULL)[0]
     llm.scheduler = Scheduler(llm.engine, decode=TokenizerDecoder(llm.tokenizer), overlap=True)
     pattern = _later_word_pattern(full)
-    ids, text = _first_stop(llm, full["token_ids"], pattern)
+    ids, text = first_regex_stop(llm, full["token_ids"], pattern)
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern)
     out = llm.generate([[5, 6, 7], [9, 10]], [p, FULL])
     assert out[0]["token_ids"] == ids and out[0]["text"] == text
     assert out[1]["finish_reason"] == "length"
     assert_engine_clean(llm)
-
-
-def test_speculative_decoding_stops_inside_accepted_drafts(
-    tiny_models: dict[str, Path], llm: LLM
-) -> None:
-    """Several tokens land per verify step; the request ends at the matching one."""
-    full = llm.generate([[5, 6, 7]], FULL)[0]
-    words = str(full["text"]).split(" ")
-    # The second time a word pair comes round: by then the n-gram drafter proposes from the
-    # first time, and drafts are accepted.
-    pairs = list(zip(words, words[1:]))
-    a, b = next(p for i, p in enumerate(pairs) if p in pairs[:i])
-    pattern = rf"(?<!\S){a} {b}(?!\S).*(?<!\S){a} {b}(?!\S)"
-    ids, text = _first_stop(llm, full["token_ids"], pattern)
-    spec = LLM(str(tiny_models["qwen3"]), speculative_algorithm="ngram", speculative_num_steps=3)
-    p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_regex=pattern)
-    r = spec.generate([[5, 6, 7]], p)[0]
-    assert (r["token_ids"], r["text"], r["matched_stop"]) == (ids, text, pattern)
-    assert r["spec_accepted_tokens"] > 0
 
 
 def test_bad_regex_queues_nothing(llm: LLM) -> None:
