@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.helpers import assert_engine_clean  # noqa: E402
+from tests.helpers import TinyModels, assert_engine_clean  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +52,6 @@ def short_dist_timeout() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.helpers import make_tiny_model
-
-    root = tmp_path_factory.mktemp("tiny")
-    return {a: make_tiny_model(root / a, a) for a in ("llama", "mistral", "qwen2", "qwen3")}
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    """Every tiny random model a test asks for, built once per session (tests/helpers.py)."""
+    return TinyModels(tmp_path_factory.mktemp("tiny"))

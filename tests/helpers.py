@@ -159,6 +159,43 @@ def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 1) -> Path:
     return dst
 
 
+class TinyModels(dict[str, Path]):
+    """The session's tiny models, each built once and shared read-only: ``models["qwen3"]``
+    is the family's default model (TINY_BASE), ``models.build(arch, **options)`` a variant
+    (the same arguments give the same directory), ``models.perturbed(path, scale)`` a near
+    copy of one of them (a draft model)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, arch: str) -> Path:
+        return self.build(arch)
+
+    def build(self, arch: str, **options: Any) -> Path:
+        """``make_tiny_model(path, arch, **options)``, built the first time it is asked for."""
+        key = arch if not options else f"{arch}{sorted(options.items())!r}"
+        if key not in self:
+            name = arch if not options else f"{arch}-{_digest(key)}"
+            self[key] = make_tiny_model(self.root / name, arch, **options)
+        return self[key]
+
+    def perturbed(self, src: Path, scale: float, seed: int = 1) -> Path:
+        """``perturbed_copy`` of the model at ``src``, made the first time it is asked for."""
+        key = f"{src}~{scale!r}~{seed}"
+        if key not in self:
+            self[key] = perturbed_copy(
+                src, self.root / f"{src.name}-near-{_digest(key)}", scale, seed
+            )
+        return self[key]
+
+
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
 def assert_engine_clean(llm: object) -> None:
     """After a run: integrity holds, nothing is running, every page is free or evictable."""
     sched = llm.scheduler  # type: ignore[attr-defined]

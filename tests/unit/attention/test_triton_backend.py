@@ -234,16 +234,17 @@ def test_mixed_batch_one_token_rows_take_the_split_decode_kernel() -> None:
 
 
 @interpreted
-def test_engine_greedy_equals_torch_backend_with_mixed_batches(tmp_path: Path) -> None:
+def test_engine_greedy_equals_torch_backend_with_mixed_batches(
+    tiny_models: dict[str, Path],
+) -> None:
     """The whole engine on the Triton backend (interpreted on CPU): small prefill chunks and
     4 slots make mixed batches whose one-token rows take the decode kernel; greedy tokens
     equal the torch backend's."""
     import random
 
     from minisgl import LLM, SamplingParams
-    from tests.helpers import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "qwen3", "qwen3", max_position_embeddings=512)
+    model = tiny_models["qwen3"]  # a 512-token context
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 60))] for _ in range(6)]
     params = [

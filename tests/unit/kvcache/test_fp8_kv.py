@@ -15,7 +15,7 @@ from minisgl.cli import build_parser, engine_config
 from minisgl.config import EngineConfig
 from minisgl.kvcache.kv_dtype import kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
-from tests.helpers import assert_engine_clean, hf_greedy, make_fp8_robust_llama, make_tiny_model
+from tests.helpers import assert_engine_clean, hf_greedy, make_fp8_robust_llama
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 CPU = torch.device("cpu")
@@ -63,8 +63,8 @@ def test_fp8_pool_holds_twice_the_tokens_per_byte_of_bf16() -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("fp8") / "llama", "llama")
+def llama(tiny_models: dict[str, Path]) -> Path:
+    return tiny_models["llama"]
 
 
 @pytest.mark.parametrize("model_dtype", ["bfloat16", "float32"])

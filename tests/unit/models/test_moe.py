@@ -15,6 +15,7 @@ import torch
 from minisgl.distributed import TPInfo
 from minisgl.layers.moe import SparseMoE
 from minisgl.models.config import ModelConfig
+from tests.helpers import TinyModels
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # Half precision: a few ulps of the output scale.
@@ -81,14 +82,11 @@ def _save_packed(src: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def moe_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def moe_ckpts(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from safetensors import safe_open
 
-    from tests.helpers import make_tiny_model
-
-    root = tmp_path_factory.mktemp("moe")
-    per_expert = make_tiny_model(root / "per_expert", "qwen3_moe", seed=2)
-    packed = _save_packed(per_expert, root / "packed")
+    per_expert = tiny_models.build("qwen3_moe", seed=2)
+    packed = _save_packed(per_expert, tmp_path_factory.mktemp("moe") / "packed")
     with safe_open(str(per_expert / "model.safetensors"), "pt") as f:
         assert "model.layers.1.mlp.experts.7.down_proj.weight" in f.keys()  # noqa: SIM118
     with safe_open(str(packed / "model.safetensors"), "pt") as f:
@@ -101,11 +99,11 @@ def moe_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     [{}, {"mlp_only_layers": [], "decoder_sparse_step": 2, "norm_topk_prob": False}],
     ids=["mlp_only_layers-normed", "sparse_step2-unnormed"],
 )
-def test_greedy_matches_hf(tmp_path: Path, overrides: dict) -> None:
+def test_greedy_matches_hf(tiny_models: TinyModels, overrides: dict) -> None:
     from minisgl import LLM, SamplingParams
-    from tests.helpers import assert_engine_clean, hf_greedy, make_tiny_model
+    from tests.helpers import assert_engine_clean, hf_greedy
 
-    path = make_tiny_model(tmp_path / "m", "qwen3_moe", seed=1, **overrides)
+    path = tiny_models.build("qwen3_moe", seed=1, **overrides)
     ref_tokens, ref_logprobs = hf_greedy(path, PROMPTS, N_NEW)
     llm = LLM(str(path))
     layers = llm.engine.model.model.layers  # type: ignore[attr-defined]

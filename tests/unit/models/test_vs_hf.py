@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from minisgl import LLM, SamplingParams
-from tests.helpers import assert_engine_clean, hf_greedy, make_tiny_model
+from tests.helpers import TinyModels, assert_engine_clean, hf_greedy
 
 PROMPTS = [
     [5, 6, 7],
@@ -65,8 +65,10 @@ def test_greedy_matches_hf(tiny_models: dict[str, Path], arch: str, page_size: i
         ("qwen3", {"tie_word_embeddings": True, "rope_theta": 500.0}),
     ],
 )
-def test_rope_variants_and_tying_match_hf(tmp_path: Path, arch: str, overrides: dict) -> None:
-    path = make_tiny_model(tmp_path / "m", arch, seed=1, **overrides)
+def test_rope_variants_and_tying_match_hf(
+    tiny_models: TinyModels, arch: str, overrides: dict
+) -> None:
+    path = tiny_models.build(arch, seed=1, **overrides)
     prompts = [list(range(1, 80)), [7, 8, 9]]
     ref_tokens, ref_logprobs = hf_greedy(path, prompts, 16)
     llm = LLM(str(path))
@@ -78,11 +80,11 @@ def test_rope_variants_and_tying_match_hf(tmp_path: Path, arch: str, overrides: 
         assert max(abs(a - b) for a, b in zip(res["logprobs"], lps)) < 1e-4
 
 
-def test_sharded_safetensors_with_index(tmp_path: Path) -> None:
+def test_sharded_safetensors_with_index(tiny_models: TinyModels, tmp_path: Path) -> None:
     """A checkpoint split over several files with model.safetensors.index.json loads the same."""
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path / "one", "qwen3", seed=3)
+    path = tiny_models.build("qwen3", seed=3)
     sharded = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(path).save_pretrained(sharded, max_shard_size="100KB")
     for f in path.glob("tokenizer*"):

@@ -18,7 +18,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.distributed.topology import free_port
-from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.helpers import TinyModels, assert_engine_clean
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("short_dist_timeout")]
 
@@ -36,19 +36,13 @@ def _greedy(n: int) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def models(
-    tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Path]:
-    kv1 = make_tiny_model(
-        tmp_path_factory.mktemp("tp") / "llama_kv1", "llama", num_key_value_heads=1
-    )
-    # Qwen3-MoE: each expert's intermediate dimension is sharded across the ranks.
-    moe = make_tiny_model(tmp_path_factory.mktemp("tp") / "moe", "qwen3_moe")
+def models(tiny_models: TinyModels) -> dict[str, Path]:
     return {
         "llama": tiny_models["llama"],
-        "llama_kv1": kv1,
+        "llama_kv1": tiny_models.build("llama", num_key_value_heads=1),
         "qwen3": tiny_models["qwen3"],
-        "qwen3_moe": moe,
+        # Qwen3-MoE: each expert's intermediate dimension is sharded across the ranks.
+        "qwen3_moe": tiny_models["qwen3_moe"],
     }
 
 

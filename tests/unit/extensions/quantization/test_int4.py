@@ -15,7 +15,7 @@ from minisgl import LLM, SamplingParams, env
 from minisgl.extensions.quantization import INT4_GEMV
 from minisgl.extensions.quantization import int4 as q
 from minisgl.layers.quantization import parse_quant_config, quant_method_names
-from tests.helpers import assert_engine_clean, hf_greedy, make_tiny_model
+from tests.helpers import TinyModels, assert_engine_clean, hf_greedy
 from tests.int4_checkpoints import AWQ_PACK_ORDER, write_quantized
 
 PROMPTS = [[5, 6, 7], list(range(40, 73)), [3] * 21]
@@ -76,12 +76,14 @@ def test_canonical_pack_matches_per_element_reading() -> None:
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+def quantized(
+    tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, Path]]:
     """name -> (quantized checkpoint, dequantized float twin)."""
     root = tmp_path_factory.mktemp("int4")
-    llama = make_tiny_model(root / "llama", "llama", seed=3)
-    qwen2 = make_tiny_model(root / "qwen2", "qwen2", seed=4)  # qkv bias stays float
-    qwen3 = make_tiny_model(root / "qwen3", "qwen3", seed=5)
+    llama = tiny_models.build("llama", seed=3)
+    qwen2 = tiny_models.build("qwen2", seed=4)  # qkv bias stays float
+    qwen3 = tiny_models.build("qwen3", seed=5)
     out = {}
     for name, src, method, group in (
         ("llama_gptq_g32", llama, "gptq", 32),
@@ -145,17 +147,19 @@ def _edit_config(path: Path, **fields: object) -> None:
     ],
 )
 def test_unsupported_gptq_settings_name_the_field(
-    tmp_path: Path, fields: dict[str, object], named: str
+    tiny_models: dict[str, Path], tmp_path: Path, fields: dict[str, object], named: str
 ) -> None:
-    src = make_tiny_model(tmp_path / "src", "llama")
+    src = tiny_models["llama"]
     qpath, _ = write_quantized(src, tmp_path / "q", tmp_path / "r", "gptq", 32)
     _edit_config(qpath, **fields)
     with pytest.raises(ValueError, match=named.replace("[", r"\[")):
         LLM(str(qpath))
 
 
-def test_unsupported_awq_settings_name_the_field(tmp_path: Path) -> None:
-    src = make_tiny_model(tmp_path / "src", "llama")
+def test_unsupported_awq_settings_name_the_field(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    src = tiny_models["llama"]
     qpath, _ = write_quantized(src, tmp_path / "q", tmp_path / "r", "awq", 32)
     _edit_config(qpath, version="gemv")
     with pytest.raises(ValueError, match="version='gemv'"):
@@ -165,10 +169,10 @@ def test_unsupported_awq_settings_name_the_field(tmp_path: Path) -> None:
         LLM(str(qpath))
 
 
-def test_act_order_g_idx_is_refused(tmp_path: Path) -> None:
+def test_act_order_g_idx_is_refused(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    src = make_tiny_model(tmp_path / "src", "llama")
+    src = tiny_models["llama"]
     qpath, _ = write_quantized(src, tmp_path / "q", tmp_path / "r", "gptq", 32)
     _edit_config(qpath, desc_act=True)
     weights = load_file(str(qpath / "model.safetensors"))

@@ -11,7 +11,7 @@ import pytest
 
 from minisgl import LLM, SamplingParams
 from minisgl.scheduler.scheduler import Scheduler
-from tests.helpers import assert_engine_clean, perturbed_copy
+from tests.helpers import TinyModels, assert_engine_clean
 from tests.workloads import (
     ABORT_PHASES,
     GREEDY,
@@ -41,9 +41,9 @@ CASES: dict[str, dict[str, object]] = {
 
 
 @pytest.fixture(scope="module")
-def drafts(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[type-arg]
+def drafts(tiny_models: TinyModels) -> dict[str, Path]:
     target = tiny_models["llama"]
-    near = perturbed_copy(target, tmp_path_factory.mktemp("near") / "llama", scale=0.004)
+    near = tiny_models.perturbed(target, scale=0.004)
     return {"same": target, "near": near, "qwen3": tiny_models["qwen3"]}
 
 
@@ -137,11 +137,9 @@ def test_sampled_requests_keep_the_drafts_of_an_identical_model(
     assert_engine_clean(llm)
 
 
-def test_draft_model_validation(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    from tests.helpers import make_tiny_model
-
+def test_draft_model_validation(tiny_models: TinyModels) -> None:
     path = str(tiny_models["llama"])
-    other_vocab = make_tiny_model(tmp_path / "v300", "llama", vocab_size=300)
+    other_vocab = tiny_models.build("llama", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 256"):
         LLM(path, speculative_draft_model=str(other_vocab))
     with pytest.raises(ValueError, match="speculative_draft_model"):

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from minisgl.extensions.speculative.ngram import NgramDrafter
 from minisgl.extensions.speculative.verify import verify, verify_greedy
+from tests.helpers import TinyModels
 
 
 def test_ngram_proposes_the_latest_continuation() -> None:
@@ -118,7 +118,7 @@ def test_ngram_speculation_keeps_greedy_outputs(tiny_models: dict) -> None:  # t
     assert_engine_clean(llm)
 
 
-def test_draft_model_sampling_follows_the_target(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_draft_model_sampling_follows_the_target(tiny_models: TinyModels) -> None:
     """End to end with a draft model of another architecture (q far from p): the first three
     tokens are jointly distributed as the target's. Tokens 2 and 3 are the two verified
     draft positions of one step, token 4 its bonus, so this checks the draft's recorded q,
@@ -126,12 +126,11 @@ def test_draft_model_sampling_follows_the_target(tmp_path_factory: pytest.TempPa
     from transformers import AutoModelForCausalLM
 
     from minisgl import LLM, SamplingParams
-    from tests.helpers import make_tiny_model
 
-    root = tmp_path_factory.mktemp("peaked")
     vocab, prompt, n = 32, [10, 20, 30, 4], 1500
-    target = make_tiny_model(root / "target", "llama", seed=3, init_std=0.2, vocab_size=vocab)
-    draft = make_tiny_model(root / "draft", "qwen3", seed=4, init_std=0.2, vocab_size=vocab)
+    # Peaked (init_std 0.2) over a small vocabulary: the joint distribution is computable.
+    target = tiny_models.build("llama", seed=3, init_std=0.2, vocab_size=vocab)
+    draft = tiny_models.build("qwen3", seed=4, init_std=0.2, vocab_size=vocab)
     llm = LLM(str(target), speculative_draft_model=str(draft), speculative_num_steps=2)
     params = [
         SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s) for s in range(n)
