@@ -4,7 +4,7 @@ simulated group: the peers' rows are put in this rank's buffer before the call, 
 peers' own calls would have, so the kernel's wait ends at once.
 
 Checked against the unfused path, the rank-ordered sum followed by ``fused_add_rms_norm``
-(bit-equal where the device's casts round like torch's; see test_fused_ops.py on the
+(bit-equal where the device's casts round like torch's; see kernels/test_fused_ops.py on the
 interpreter's bfloat16 casts), plus the protocol's state: the partial sum lands in every
 peer's buffer, in the slot of the call's parity and this rank; the slots this rank read are
 back to the sentinel; nothing past the rows is touched; the epochs advance by one per call.
