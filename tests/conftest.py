@@ -2,21 +2,14 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def assert_engine_clean(llm: object) -> None:
-    """After a run: integrity holds, nothing is running, every page is free or evictable."""
-    sched = llm.scheduler  # type: ignore[attr-defined]
-    sched.check_integrity()
-    assert not sched.running and not sched.waiting
-    kv = sched.kv
-    assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.allocator.num_pages
-    assert kv.cache.protected_pages == 0
+from tests.helpers import TinyModels, assert_engine_clean  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -43,15 +36,22 @@ def _every_engine_ends_clean(monkeypatch: pytest.MonkeyPatch) -> object:
         if sched is None or getattr(sched, "inflight", None) is not None:
             continue  # a test that stopped mid-step on purpose
         if hasattr(sched, "_channel"):
-            continue  # a TP mirror: test_tp checks every rank's integrity itself
+            continue  # a TP mirror: tests/unit/tp checks every rank's integrity itself
         if sched.running or sched.waiting:
             continue  # a test that left requests queued on purpose checks them itself
         assert_engine_clean(llm)
 
 
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tests.helpers import make_tiny_model
+@pytest.fixture
+def short_dist_timeout() -> Iterator[None]:
+    """Spawned ranks inherit it: a divergence between them fails in a minute instead of ten."""
+    from minisgl import env
 
-    root = tmp_path_factory.mktemp("tiny")
-    return {a: make_tiny_model(root / a, a) for a in ("llama", "mistral", "qwen2", "qwen3")}
+    with env.override({env.DIST_TIMEOUT_S: 60}):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModels:
+    """Every tiny random model a test asks for, built once per session (tests/helpers.py)."""
+    return TinyModels(tmp_path_factory.mktemp("tiny"))

@@ -1,9 +1,11 @@
-"""Shared test helpers: tiny random-weight Hugging Face models built on the fly."""
+"""Shared test helpers: tiny random-weight Hugging Face models built on the fly, the
+clean-engine check every engine test ends with, and references the engine is compared with
+(Hugging Face greedy decoding, where a stop regex first matches). Workloads and scheduler
+drivers are in tests/workloads.py."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +68,23 @@ def make_tiny_model(
                 p.uniform_(0.8, 1.2)
     model.save_pretrained(path, safe_serialization=True)
     save_tiny_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def make_fp8_robust_llama(path: Path, **overrides: object) -> Path:
+    """A tiny Llama whose greedy path survives fp8 K/V: small weights (init_std 0.03) and
+    the embeddings scaled by 4. Measured on 4 prompts x 12 tokens (CPU, fp32): fp8 e4m3 and
+    e5m2 both match HF on all of them (prompt logprobs within 0.005 / 0.009 of the fp32
+    cache), while K/V scaled by 1.25 already flips tokens (logprobs off by 0.05), zeroed K/V
+    by 0.2 and random K/V by 0.5: attention matters in this model. Larger init_std (more
+    peaked logits, but sharper attention too) flipped greedy tokens under fp8 within a few
+    steps."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_model(path, "llama", init_std=0.03, **overrides)
+    weights = load_file(str(path / "model.safetensors"))
+    weights["model.embed_tokens.weight"] *= 4
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
@@ -140,123 +159,59 @@ def perturbed_copy(src: Path, dst: Path, scale: float, seed: int = 1) -> Path:
     return dst
 
 
-def shared_prefix_workload(
-    seed: int, requests: int, system_len: int, max_tail: int, max_tokens: int
-) -> tuple[list[list[int]], list[Any]]:
-    """Greedy requests, every other one behind one shared system prompt (radix-cache hits),
-    with random tails of 1..max_tail ids and 4..max_tokens output tokens (ignore_eos)."""
-    from minisgl import SamplingParams
+class TinyModels(dict[str, Path]):
+    """The session's tiny models, each built once and shared read-only: ``models["qwen3"]``
+    is the family's default model (TINY_BASE), ``models.build(arch, **options)`` a variant
+    (the same arguments give the same directory), ``models.perturbed(path, scale)`` a near
+    copy of one of them (a draft model)."""
 
-    rng = random.Random(seed)
-    system = [rng.randrange(3, 256) for _ in range(system_len)]
-    prompts = []
-    for i in range(requests):
-        tail = [rng.randrange(3, 256) for _ in range(rng.randint(1, max_tail))]
-        prompts.append(system + tail if i % 2 else tail)
-    params = [
-        SamplingParams(temperature=0, max_tokens=rng.randint(4, max_tokens), ignore_eos=True)
-        for _ in prompts
-    ]
-    return prompts, params
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
 
+    def __missing__(self, arch: str) -> Path:
+        return self.build(arch)
 
-def abort_mix_workload(
-    seed: int = 0, long_tokens: tuple[int, int] = (16, 32)
-) -> list[tuple[list[int], Any, int]]:
-    """(prompt, params, wave) for 18 greedy requests: long decodes of ``long_tokens`` (a
-    range; half of them behind a shared prefix) alternating with one short prompt repeated, max_tokens 1 or 2 (finished in
-    their first steps); wave w joins after step (0, 2, 5)[w]."""
-    from minisgl import SamplingParams
+    def build(self, arch: str, **options: Any) -> Path:
+        """``make_tiny_model(path, arch, **options)``, built the first time it is asked for."""
+        key = arch if not options else f"{arch}{sorted(options.items())!r}"
+        if key not in self:
+            name = arch if not options else f"{arch}-{_digest(key)}"
+            self[key] = make_tiny_model(self.root / name, arch, **options)
+        return self[key]
 
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 256) for _ in range(40)]
-    short = [17, 18, 19, 20, 21, 22]
-    out = []
-    for i in range(18):
-        if i % 2 == 0:
-            tail = [rng.randrange(3, 256) for _ in range(rng.randint(5, 120))]
-            prompt, n = (shared if i % 4 == 0 else []) + tail, rng.randint(*long_tokens)
-        else:
-            prompt, n = short, 1 + (i // 2) % 2
-        out.append((prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), i // 6))
-    return out
+    def perturbed(self, src: Path, scale: float, seed: int = 1) -> Path:
+        """``perturbed_copy`` of the model at ``src``, made the first time it is asked for."""
+        key = f"{src}~{scale!r}~{seed}"
+        if key not in self:
+            self[key] = perturbed_copy(
+                src, self.root / f"{src.name}-near-{_digest(key)}", scale, seed
+            )
+        return self[key]
 
 
-# Each victim (every third request) is aborted once it is unfinished and this holds; "last"
-# (num_generated reaches max_tokens) is only reachable under overlap scheduling, with the
-# last token in flight: the finishing step (SGLang PR #111: freed twice).
-ABORT_AT: dict[int, int | str] = {2: 0, 5: "last", 8: 3, 11: 1, 14: "last", 17: "last"}
+def _digest(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-def run_abort_mix(
-    llm: Any,
-    before_abort: Callable[[Any], None] | None = None,
-    long_tokens: tuple[int, int] = (16, 32),
-) -> tuple[list[Any], set[int]]:
-    """Drive ``llm``'s scheduler through ``abort_mix_workload`` step by step, aborting the
-    victims of ``ABORT_AT`` between steps, until idle. Returns the requests and the indices
-    that were aborted (``before_abort`` sees each victim just before)."""
-    sched = llm.scheduler
-    work = abort_mix_workload(long_tokens=long_tokens)
-    joins = {0: 0, 1: 2, 2: 5}
-    reqs: list[Any] = [None] * len(work)
-    aborted: set[int] = set()
-    for step in range(1000):
-        for i, (prompt, params, wave) in enumerate(work):
-            if joins[wave] == step:
-                reqs[i] = sched.add_request(prompt, params)
-        for i, at in ABORT_AT.items():
-            req = reqs[i]
-            if req is None or req.finished or i in aborted:
-                continue
-            limit = req.params.max_tokens if at == "last" else at
-            if req.num_generated >= limit:
-                if before_abort is not None:
-                    before_abort(req)
-                assert sched.abort(req.uid) is req
-                assert req.finished and req.finish_reason == "abort"
-                assert sched.abort(req.uid) is None  # freed once: a second abort finds nothing
-                aborted.add(i)
-        if step > max(joins.values()) and not sched.has_work:
-            break
-        sched.step()
-    else:
-        raise AssertionError("the scheduler never went idle")
-    sched.drain()
-    return reqs, aborted
+def assert_engine_clean(llm: object) -> None:
+    """After a run: integrity holds, nothing is running, every page is free or evictable."""
+    sched = llm.scheduler  # type: ignore[attr-defined]
+    sched.check_integrity()
+    assert not sched.running and not sched.waiting
+    kv = sched.kv
+    assert kv.allocator.num_free_pages + kv.cache.evictable_pages == kv.allocator.num_pages
+    assert kv.cache.protected_pages == 0
 
 
-def check_abort_mix(reqs: list[Any], aborted: set[int], ref: list[Any], overlap: bool) -> None:
-    """Survivors' tokens equal the reference run's; an aborted request kept a prefix of them.
-    Under overlap every victim was aborted, a finishing-step victim with its in-flight last
-    sample dropped; without it the finishing-step victims completed."""
-    last = {i for i, at in ABORT_AT.items() if at == "last"}
-    assert aborted == (set(ABORT_AT) if overlap else set(ABORT_AT) - last)
-    for i, (req, want) in enumerate(zip(reqs, ref)):
-        if i in aborted:
-            assert req.finish_reason == "abort", i
-            assert req.output_ids == want.output_ids[: len(req.output_ids)], i
-            if i in last:
-                assert len(req.output_ids) == req.params.max_tokens - 1, i
-        else:
-            assert req.finish_reason == "length", (i, req.finish_reason)
-            assert req.output_ids == want.output_ids, i
-
-
-# Three worked turns that teach the default model (SmolLM2) to think in <think>...</think>
-# before its JSON: a greedy reply to ``thinking_chat(city)`` then thinks, and ends its
-# thinking, on its own (structured output that waits for the thinking, grammar_after).
-THINKING_SHOTS = [("Rome", "Rome is big"), ("Oslo", "Oslo is cold"), ("Lima", "Lima is warm")]
-
-
-def thinking_chat(city: str = "Paris") -> list[dict[str, str]]:
-    """The worked turns, then the question about ``city``."""
-    turns = [
-        turn
-        for shot, thought in THINKING_SHOTS
-        for turn in (
-            {"role": "user", "content": f"Describe {shot} as JSON."},
-            {"role": "assistant", "content": f'<think>{thought}</think>\n\n{{"city": "{shot}"}}'},
-        )
-    ]
-    return turns + [{"role": "user", "content": f"Describe {city} as JSON."}]
+def first_regex_stop(llm: Any, ids: list[int], pattern: str) -> tuple[list[int], str]:
+    """Independently of the matcher: the shortest output whose text holds a match (stdlib re,
+    token by token), and that text cut at the match."""
+    for k in range(1, len(ids) + 1):
+        text = llm.tokenizer.decode(ids[:k], skip_special_tokens=True)
+        m = re.search(pattern, text)
+        if m is not None:
+            return ids[:k], text[: m.start()]
+    raise AssertionError(f"{pattern!r} never matches")

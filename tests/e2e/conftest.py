@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 
 from tests.e2e.server_utils import (
+    QUESTION,
     ServerHandle,
     assert_clean_log,
     pid_alive,
     start_server,
     wait_until,
 )
-
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+from tests.helpers import TinyModels
 
 
 @pytest.fixture(scope="session")
@@ -48,20 +48,16 @@ def tokenizer(default_server: ServerHandle) -> Any:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.helpers import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-e2e") / "llama", "llama")
+def tiny_model(tiny_models: TinyModels) -> Path:
+    """The tiny random Llama the unit tests use too."""
+    return tiny_models["llama"]
 
 
 @pytest.fixture(scope="session")
-def tiny_long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_long_model(tiny_models: TinyModels) -> Path:
     """The tiny model with an 8,192-token context: requests long enough to outlast a timeout,
     a shutdown grace period or a prefill window, however fast the machine is."""
-    from tests.helpers import make_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny-long-e2e") / "llama"
-    return make_tiny_model(path, "llama", max_position_embeddings=8192)
+    return tiny_models.build("llama", max_position_embeddings=8192)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Real server processes for end-to-end tests: start on a free port, wait for health, stop."""
+"""Real server processes for end-to-end tests: start on a free port, wait for health, stop;
+call their routes (with headers), read their metrics, check they end idle and clean."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from minisgl import env
 from minisgl.env import Switch
 
 REPO = Path(__file__).resolve().parents[2]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def free_port() -> int:
@@ -200,3 +202,77 @@ def wait_idle_and_check(server: ServerHandle, timeout: float = 60) -> dict[str, 
     assert body["ok"] is True and body["error"] is None, body
     assert body["free_pages"] + body["evictable_pages"] == body["total_pages"], body
     return body
+
+
+# ---------------------------------------------------------------- requests with headers
+@dataclass
+class Reply:
+    status: int
+    body: Any
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def request(
+    server: ServerHandle,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> Reply:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(server.url(path), data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, text, hdrs = resp.status, resp.read().decode(), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        status, text, hdrs = err.code, err.read().decode(), dict(err.headers)
+    try:
+        return Reply(status, json.loads(text), hdrs)
+    except json.JSONDecodeError:
+        return Reply(status, text, hdrs)
+
+
+def call(
+    server: ServerHandle, method: str, path: str, body: Any = None, **kw: Any
+) -> tuple[int, Any]:
+    reply = request(server, method, path, body, **kw)
+    return reply.status, reply.body
+
+
+def metric(server: ServerHandle, name: str, headers: dict[str, str] | None = None) -> float:
+    """The sum of a metric's samples whose name (with labels) starts with ``name``."""
+    _, text = call(server, "GET", "/metrics", headers=headers)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{")
+    )
+
+
+class Authed:
+    """A ServerHandle look-alike whose GETs carry the API key (for wait_idle_and_check)."""
+
+    def __init__(self, server: ServerHandle, headers: dict[str, str]) -> None:
+        self.server = server
+        self.headers = headers
+
+    def get(self, path: str, **kw: Any) -> tuple[int, Any]:
+        return call(self.server, "GET", path, headers=self.headers, **kw)
+
+
+def check_idle(server: ServerHandle, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Nothing running or live anywhere, and the KV integrity check passes."""
+    return wait_idle_and_check(Authed(server, headers or {}))  # type: ignore[arg-type]
+
+
+def stop_and_check(server: ServerHandle, secret: str | None = None) -> None:
+    pids = server.child_pids()
+    assert server.stop(signal.SIGTERM) == 0, server.log()[-3000:]
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10)
+    if secret is not None:
+        assert secret not in server.log(), "the API key leaked into the log"
+    assert_clean_log(server)

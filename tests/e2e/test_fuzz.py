@@ -22,8 +22,15 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.server_utils import ServerHandle, assert_clean_log, sse_events, start_server
-from tests.e2e.test_reliability import call, check_idle, metric
+from tests.e2e.server_utils import (
+    ServerHandle,
+    assert_clean_log,
+    call,
+    check_idle,
+    metric,
+    sse_events,
+    start_server,
+)
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")

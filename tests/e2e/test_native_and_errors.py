@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import QUESTION
-from tests.e2e.server_utils import ServerHandle, http, sse_events, wait_idle_and_check
+from tests.e2e.server_utils import QUESTION, ServerHandle, http, sse_events, wait_idle_and_check
 
 PROMPT = "The capital of France is"
 GOOD_CHAT = {"model": "smollm2", "messages": QUESTION, "max_tokens": 2, "temperature": 0}

@@ -12,8 +12,7 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from tests.e2e.conftest import QUESTION
-from tests.e2e.server_utils import ServerHandle, wait_idle_and_check
+from tests.e2e.server_utils import QUESTION, ServerHandle, wait_idle_and_check
 
 MODEL = "smollm2"
 PROMPT = "The capital of France is"

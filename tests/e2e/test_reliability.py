@@ -1,7 +1,6 @@
 """Server protection, end to end on the tiny random model: the API key, the queue limit
 (503 + Retry-After), the request timeout, the body size limit, graceful SIGTERM under load,
-and the scheduler's idle leak guard. The helpers here are shared by the slow harnesses
-(test_fuzz.py, test_soak.py)."""
+and the scheduler's idle leak guard."""
 
 from __future__ import annotations
 
@@ -12,10 +11,7 @@ import os
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +23,13 @@ from minisgl import env
 from tests.e2e.server_utils import (
     ServerHandle,
     assert_clean_log,
+    call,
+    check_idle,
+    metric,
     pid_alive,
+    request,
     start_server,
-    wait_idle_and_check,
+    stop_and_check,
     wait_until,
 )
 
@@ -37,71 +37,7 @@ KEY = "sk-reliability-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-# ---------------------------------------------------------------- helpers (shared)
-@dataclass
-class Reply:
-    status: int
-    body: Any
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-def request(
-    server: ServerHandle,
-    method: str,
-    path: str,
-    body: Any = None,
-    headers: dict[str, str] | None = None,
-    timeout: float = 120,
-) -> Reply:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(server.url(path), data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    for k, v in (headers or {}).items():
-        req.add_header(k, v)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            status, text, hdrs = resp.status, resp.read().decode(), dict(resp.headers)
-    except urllib.error.HTTPError as err:
-        status, text, hdrs = err.code, err.read().decode(), dict(err.headers)
-    try:
-        return Reply(status, json.loads(text), hdrs)
-    except json.JSONDecodeError:
-        return Reply(status, text, hdrs)
-
-
-def call(
-    server: ServerHandle, method: str, path: str, body: Any = None, **kw: Any
-) -> tuple[int, Any]:
-    reply = request(server, method, path, body, **kw)
-    return reply.status, reply.body
-
-
-def metric(server: ServerHandle, name: str, headers: dict[str, str] | None = None) -> float:
-    """The sum of a metric's samples whose name (with labels) starts with ``name``."""
-    _, text = call(server, "GET", "/metrics", headers=headers)
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{")
-    )
-
-
-class Authed:
-    """A ServerHandle look-alike whose GETs carry the API key (for wait_idle_and_check)."""
-
-    def __init__(self, server: ServerHandle, headers: dict[str, str]) -> None:
-        self.server = server
-        self.headers = headers
-
-    def get(self, path: str, **kw: Any) -> tuple[int, Any]:
-        return call(self.server, "GET", path, headers=self.headers, **kw)
-
-
-def check_idle(server: ServerHandle, headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Nothing running or live anywhere, and the KV integrity check passes."""
-    return wait_idle_and_check(Authed(server, headers or {}))  # type: ignore[arg-type]
-
-
+# ---------------------------------------------------------------- helpers
 def error_of(body: Any, status: int) -> str:
     """The message of an OpenAI-style error body (asserting the shape)."""
     assert isinstance(body, dict) and set(body) == {"error"}, body
@@ -118,15 +54,6 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
             payload = line[len(b"data: ") :].strip().decode()
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-def stop_and_check(server: ServerHandle, secret: str | None = None) -> None:
-    pids = server.child_pids()
-    assert server.stop(signal.SIGTERM) == 0, server.log()[-3000:]
-    assert wait_until(lambda: not any(pid_alive(p) for p in pids.values()), 10)
-    if secret is not None:
-        assert secret not in server.log(), "the API key leaked into the log"
-    assert_clean_log(server)
 
 
 # ---------------------------------------------------------------- API key + overload
@@ -447,7 +374,7 @@ def test_idle_leak_guard_logs_counts_and_keeps_serving(
     from minisgl.ipc import sockets
     from minisgl.server import scheduler_control
     from minisgl.server import scheduler_process as process
-    from tests.e2e.test_scheduler_process import Harness
+    from tests.e2e.scheduler_harness import Harness
 
     monkeypatch.setattr(scheduler_control, "INTEGRITY_INTERVAL_S", 0.0)
     config = EngineConfig(model=str(tiny_model))

@@ -19,8 +19,14 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.server_utils import ServerHandle, start_server
-from tests.e2e.test_reliability import call, check_idle, metric, stop_and_check
+from tests.e2e.server_utils import (
+    ServerHandle,
+    call,
+    check_idle,
+    metric,
+    start_server,
+    stop_and_check,
+)
 
 psutil = pytest.importorskip("psutil")
 

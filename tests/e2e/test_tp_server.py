@@ -32,7 +32,7 @@ from tests.e2e.server_utils import (
     wait_idle_and_check,
     wait_until,
 )
-from tests.helpers import make_tiny_model
+from tests.helpers import TinyModels
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,12 +45,11 @@ SWITCHES: dict[env.Switch[Any], object] = {env.DIST_TIMEOUT_S: 60}
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tp-server")
+def models(tiny_models: TinyModels) -> dict[str, Path]:
     return {
-        "llama": tiny_model,  # 4 query heads, 2 KV heads: one KV head per rank
-        "llama_kv1": make_tiny_model(root / "llama_kv1", "llama", num_key_value_heads=1),
-        "qwen3": make_tiny_model(root / "qwen3", "qwen3"),
+        "llama": tiny_models["llama"],  # 4 query heads, 2 KV heads: one KV head per rank
+        "llama_kv1": tiny_models.build("llama", num_key_value_heads=1),
+        "qwen3": tiny_models["qwen3"],
     }
 
 
@@ -284,7 +283,7 @@ def test_overlap_scheduling_keeps_the_ranks_in_step(
     from minisgl.ipc import sockets
     from minisgl.ipc.messages import AbortRequests
     from minisgl.server.scheduler_process import SchedulerArgs, SchedulerLoop
-    from tests.e2e.test_scheduler_process import Harness
+    from tests.e2e.scheduler_harness import Harness
 
     path = str(models["llama_kv1"])
     greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

@@ -8,7 +8,7 @@ request is aborted at a varied point: waiting, mid-decode, and right after its l
 was launched (the finishing step: SGLang PR #111, a request freed twice; #58, an illegal
 memory access when the device lags the host). Survivors' greedy tokens must equal an eager
 no-overlap run of the same requests (aborted at the same points) and nothing may leak.
-tests/unit/test_abort_mix.py runs the same driver on the CPU.
+tests/unit/scheduler/test_abort_mix.py runs the same driver on the CPU.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import ABORT_AT, check_abort_mix, make_tiny_model, run_abort_mix
+from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.workloads import ABORT_AT, check_abort_mix, run_abort_mix
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,8 +14,8 @@ from minisgl import LLM, SamplingParams
 from minisgl.attention.base import BatchLayout
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.kvcache.pool import KVPool
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model, shared_prefix_workload
+from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.workloads import shared_prefix_workload
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,11 +1,12 @@
 """GPU checks for the fp8 KV cache (`--kv-cache-dtype`; device tool:
 `python -m pytest tests/gpu -m gpu`).
 
-The kernel-level fp8 checks run natively through their unit modules (test_triton_attention:
-store_kv bit-equal to the torch cast, the attention kernels over an fp8 pool against the
-torch backend; test_qk_rope_store's check_fp8_cache through test_fused_rope_store_gpu).
+The kernel-level fp8 checks run natively through their unit modules
+(unit/attention/test_triton_backend: store_kv bit-equal to the torch cast, the attention
+kernels over an fp8 pool against the torch backend; test_qk_rope_store's check_fp8_cache
+through test_fused_rope_store_gpu).
 Here, whole engines on a tiny Llama whose greedy path survives fp8 K/V
-(tests/unit/test_fp8_kv.make_fp8_robust_llama):
+(tests/helpers.py, make_fp8_robust_llama):
 - fp32: the triton backend with an fp8 pool gives the torch backend's greedy tokens under
   every switch (graphs, overlap, page size, mixed prefill graphs); store_kv rounds as the
   torch cast does, so both pools hold the same bytes;
@@ -21,9 +22,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import shared_prefix_workload
-from tests.unit.test_fp8_kv import make_fp8_robust_llama
+from tests.helpers import assert_engine_clean, make_fp8_robust_llama
+from tests.workloads import shared_prefix_workload
 
 pytestmark = [
     pytest.mark.gpu,

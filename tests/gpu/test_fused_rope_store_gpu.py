@@ -1,7 +1,7 @@
 """GPU checks for the fused q/k-norm + RoPE + KV-store kernel (device tool:
 `python -m pytest tests/gpu -m gpu`).
 
-The kernel checks of tests/unit/test_qk_rope_store.py run natively here (bit-identical to
+The kernel checks of tests/unit/kernels/test_qk_rope_store.py run natively here (bit-identical to
 the unfused kernels on real hardware, where rounding and reduction order are the
 compiler's); and greedy tokens of tiny random models are identical with the fusion on and
 off: Qwen3 (q/k norm) and Llama (no norm), fp32 and bf16, eager and CUDA graphs, with a
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model, perturbed_copy, shared_prefix_workload
+from tests.helpers import assert_engine_clean, make_tiny_model, perturbed_copy
 from tests.kernel_checks import Skip
-from tests.unit.test_qk_rope_store import CHECKS
+from tests.unit.kernels.test_qk_rope_store import CHECKS
+from tests.workloads import shared_prefix_workload
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model, shared_prefix_workload
+from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.workloads import shared_prefix_workload
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,6 +1,6 @@
 """GPU checks of 4-bit GPTQ/AWQ checkpoints (run through the device tool:
 `python -m pytest tests/gpu/test_int4_gpu.py -m gpu`; the kernel checks of
-tests/unit/test_int4_gemm.py run natively under the same marker).
+tests/unit/extensions/quantization/test_int4_kernels.py run natively under the same marker).
 
 On CUDA the linear layers keep the packed weights and run the quantization extension's
 kernels/int4_gemm.py (or, for 1-4 rows, the GEMV of kernels/int4_gemv.py), whose weights equal the dequantized checkpoint's
@@ -19,8 +19,7 @@ import torch
 
 from minisgl import LLM, SamplingParams, env
 from minisgl.extensions.quantization import INT4_GEMV
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.int4_checkpoints import write_quantized
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """GPU checks for the fused Triton MoE (run through the device tool: pytest tests/gpu -m gpu).
 
-The interpreter checks of tests/unit/test_moe.py on CUDA (plus the no-host-sync check),
+The interpreter checks of tests/unit/kernels/test_moe.py on CUDA (plus the no-host-sync check),
 the fused kernel against the torch reference at Qwen3-30B-A3B sizes, replay inside a CUDA
 graph, and a tiny Qwen3-MoE equal to transformers on the GPU.
 """
@@ -14,10 +14,9 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from minisgl.layers.moe import moe_reference
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.kernel_checks import Skip
-from tests.unit.test_moe import CHECKS, moe_case
+from tests.unit.kernels.test_moe import CHECKS, moe_case
 
 pytestmark = [
     pytest.mark.gpu,

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
-from tests.conftest import assert_engine_clean
-from tests.helpers import make_tiny_model, perturbed_copy
+from tests.helpers import assert_engine_clean, make_tiny_model, perturbed_copy
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,0 +1,79 @@
+"""The skinny-GEMM Triton kernel (kernels/gemv.py) against F.linear: 1-4 rows, ragged N and
+K, bias, bf16/fp16/fp32, strided rows. Run under Triton's interpreter on CPU (one child
+process, see tests/kernel_checks.py) and natively on CUDA under the ``gpu`` marker."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":  # the interpreter child: make `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from tests import kernel_checks
+
+
+def _case(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, device: torch.device) -> None:
+    from minisgl.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    got = gemv(x.to(device), w.to(device), None if b is None else b.to(device))
+    assert got.shape == (rows, n) and got.dtype == dtype
+    # float32 accumulation of the same products: only the final rounding to dtype differs.
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float().cpu(), ref, atol=tol, rtol=tol)
+
+
+def check_gemv_shapes(device: torch.device) -> None:
+    for rows in (1, 2, 3, 4):
+        _case(rows, 48, 1024, torch.float32, False, device)
+    _case(1, 37, 700, torch.float32, True, device)  # N and K off the tile sizes
+    _case(3, 130, 513, torch.float32, True, device)
+
+
+def check_gemv_half_precision(device: torch.device) -> None:
+    _case(1, 64, 512, torch.bfloat16, False, device)
+    _case(2, 40, 300, torch.float16, True, device)
+
+
+def check_gemv_strided_rows_and_empty(device: torch.device) -> None:
+    from minisgl.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(4, 2 * 256, generator=g)
+    x = big[:, :256]  # rows strided like a slice of a wider activation
+    w = torch.randn(24, 256, generator=g)
+    got = gemv(x.to(device), w.to(device))
+    torch.testing.assert_close(got.cpu(), x @ w.T, atol=1e-4, rtol=1e-4)
+    assert gemv(x[:0].to(device), w.to(device)).shape == (0, 24)
+
+
+def check_gemv_tile_rule(device: torch.device) -> None:
+    """Every branch of gemv_choice gives tiles that compute the product (shapes shrunk)."""
+    from minisgl.kernels.gemv import gemv, gemv_choice
+
+    g = torch.Generator().manual_seed(11)
+    for n, k in ((40, 3000), (1030, 8200), (1030, 4100), (1030, 1000)):
+        tiles = gemv_choice(1, n, k)
+        assert tiles is not None and tiles[0] == 1
+        x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+        got = gemv(x.to(device), w.to(device), None, tiles)
+        torch.testing.assert_close(got.cpu(), x @ w.T, atol=1e-4, rtol=1e-4)
+    # cuBLAS keeps 2-4 rows and the widest weights (an LM head), where it measured faster.
+    assert gemv_choice(2, 1024, 1024) is None and gemv_choice(1, 151936, 1024) is None
+
+
+CHECKS = kernel_checks.collect(globals())
+
+
+test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+
+
+if __name__ == "__main__":
+    kernel_checks.main(CHECKS)
