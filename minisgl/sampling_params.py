@@ -68,7 +68,7 @@ class SamplingParams:
     n: int = 1
     # Structured output (SGLang's names; at most one): the output must match a JSON schema
     # (a JSON string), a regular expression, or an EBNF grammar (GBNF syntax). Needs the
-    # optional package xgrammar (scheduler/grammar.py).
+    # optional package xgrammar (minisgl/extensions/structured_output/grammar.py).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

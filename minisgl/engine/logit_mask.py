@@ -1,4 +1,5 @@
-"""Constrained decoding's logit mask (the bitmask comes from scheduler/grammar.py)."""
+"""Constrained decoding's logit mask (the bitmask comes from a ConstraintBackend,
+minisgl/scheduler/plugins.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ more text arrives, which is exactly how much text streaming must hold back. ``re
 answer that for patterns whose matches have no length bound. Partial matching takes a word
 edge at the end of the text as it is there (false after a space), so patterns with word edges
 are asked through a relaxed copy; where even that cannot tell (an end assertion under a
-negation, a conditional), nothing is released before the end. tests/unit/test_stop_regex.py
+negation, a conditional), nothing is released before the end. tests/unit/tokenizer/test_stop_regex.py
 checks all of it against the definition, for every way of splitting a text.
 """
 

@@ -8,7 +8,7 @@
 
 The text after ``</think>`` (leading newlines dropped) is the content, which tool-call parsing
 then sees. A grammar (response_format, ...) waits for ``</think>`` unless thinking is off: the
-chat hook sets ``grammar_after`` (chat.py; the scheduler's side is scheduler/grammar.py).
+chat hook sets ``grammar_after`` (chat.py; the scheduler's side is grammar.py).
 """
 
 from __future__ import annotations

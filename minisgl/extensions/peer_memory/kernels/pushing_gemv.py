@@ -6,7 +6,7 @@ Each program stores its own output columns into every peer's slot of that call a
 they are summed, so the rows travel while the GEMV's other programs still run, and the
 norm kernel only polls. The product is the core GEMV's arithmetic, step for step (same
 tiles, same order of summation), so the pushed rows are the plain GEMV's bits
-(tests/unit/test_all_reduce_norm.py compares them); a change to one is made in both.
+(tests/unit/extensions/peer_memory/test_all_reduce_norm.py compares them); a change to one is made in both.
 """
 
 from __future__ import annotations

@@ -73,7 +73,8 @@ _INTERPRETED = type(_int4_gemm_kernel).__name__ == "InterpretedFunction"
 
 def int4_tiles(rows: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): tl.dot needs 16+ on each side; few rows (decode)
-    take 16-row tiles and wide N tiles, prefill larger M tiles. Untuned: see README."""
+    take 16-row tiles and wide N tiles, prefill larger M tiles. Untuned (benchmark/gpu/bench_gemv.py
+    --int4 times them)."""
     if rows <= 16:
         return 16, 64, 64, 4
     if rows <= 64:
