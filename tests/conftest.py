@@ -12,6 +12,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.helpers import TinyModels, assert_engine_clean  # noqa: E402
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist each worker computes on one thread: two workers on the two-core CI
+    machine, not four threads fighting over two cores."""
+    if hasattr(config, "workerinput"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _every_engine_ends_clean(monkeypatch: pytest.MonkeyPatch) -> object:
     """After every test that ran an engine in this process: integrity holds and every page

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pexpect
+import pytest
 
 from tests.e2e.server_utils import REPO
 
@@ -78,6 +79,7 @@ def _tiny_shell_answer(model: Path, tp: int) -> tuple[str, list[int]]:
     return answer, started
 
 
+@pytest.mark.slow  # the shell's TP wiring is tests/unit/tp/test_offline.py's, through the shell
 def test_shell_with_tensor_parallelism(tiny_model: Path) -> None:
     """--tp-size 2: the shell is rank 0 of an offline TP run; same answer, no rank left over."""
     from tests.e2e.server_utils import pid_alive, wait_until

@@ -176,7 +176,15 @@ def _stop_cleanly(server: ServerHandle) -> None:
     assert_clean_log(server)
 
 
-@pytest.mark.parametrize("pair", ["llama", "llama_kv1", "qwen3"], indirect=True)
+# One model every day; the other head layouts repeat tests/unit/tp's in-process checks.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "pair",
+    ["llama", pytest.param("llama_kv1", marks=SLOW), pytest.param("qwen3", marks=SLOW)],
+    indirect=True,
+)
 def test_tp2_server_matches_tp1(pair: list[ServerHandle]) -> None:
     single, tp2 = pair
     assert set(tp2.child_pids()) == {"scheduler-tp0", "scheduler-tp1", "tokenizer"}

@@ -137,6 +137,7 @@ def test_function_call_forced_streamed_and_answered(client: openai.OpenAI) -> No
     assert follow.status in ("completed", "incomplete") and follow.usage is not None
 
 
+@pytest.mark.slow  # the forced call's test covers the path; this adds the flag's echo
 def test_parallel_tool_calls_echoed_and_applied(client: openai.OpenAI) -> None:
     """The request's parallel_tool_calls comes back (true unless set, as OpenAI's default), in
     the whole response and in the stream's; false keeps only the reply's first call (the chat

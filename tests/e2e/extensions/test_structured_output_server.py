@@ -64,6 +64,7 @@ def test_chat_json_schema(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(choice.message.content or ""), CITY)
 
 
+@pytest.mark.slow  # json_object and streaming beside test_chat_json_schema's whole reply
 def test_chat_json_object_sampled_n2_and_streamed(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(
         model=MODEL,
@@ -271,6 +272,7 @@ TWO_CALLS = "root ::= " + json.dumps(
 )
 
 
+@pytest.mark.slow  # the tool parser's unit tests cover the flag; this repeats it over HTTP
 def test_parallel_tool_calls_false_returns_one_call(client: openai.OpenAI) -> None:
     """parallel_tool_calls=false: at most one call comes back, the reply's first (vLLM keeps
     the first too), whole and streamed. The finish reason shows the grammar ran to its end,
@@ -331,6 +333,7 @@ def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
 THINKING_ASK = thinking_chat()  # ends with ASK's question
 
 
+@pytest.mark.slow  # tests/unit/extensions/structured_output covers the wait; this repeats it over HTTP
 def test_grammar_waits_for_the_thinking(thinking_server: ServerHandle) -> None:
     """Under --reasoning-parser a response_format leaves the thinking free: reasoning_content
     is what the model thinks with no format at all, and content matches the schema. With
