@@ -44,6 +44,14 @@ def default_served_name(config: EngineConfig) -> str:
     return config.model
 
 
+def tokenizer_path(config: EngineConfig, runtime: Runtime, model_path: str) -> str:
+    """What routers load the tokenizer from: the one given, else the model's; a GGUF file
+    holds no Hugging Face tokenizer, so then the copy the tokenizer worker saved."""
+    if config.tokenizer is not None:
+        return config.tokenizer
+    return str(runtime.run_dir / "tokenizer") if model_path.endswith(".gguf") else model_path
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -139,6 +147,8 @@ def _make_server(
         served_model_name=args.served_model_name or default_served_name(config),
         model_path=str(engine_info["model_path"]),
         context_length=int(str(engine_info["context_length"])),
+        tokenizer_path=tokenizer_path(config, runtime, str(engine_info["model_path"])),
+        tp_size=config.tp_size,
         engine=engine_info,
     )
     frontend = Frontend(
