@@ -65,18 +65,18 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Stop(Exception):
+class StopSignal(Exception):
     """Raised by our SIGTERM handler so that cleanup runs."""
 
 
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop()
+def raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise StopSignal()
 
 
 def serve(config: EngineConfig, args: ServerArgs) -> int:
     """Run the server until Ctrl-C/SIGTERM (exit code 0) or a child dies (exit code 1)."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGTERM, raise_stop)
     started = time.perf_counter()
     runtime: Runtime | None = None
     logger.info("%r", args)  # the API key shows as <set>: logs get shared, keys must not
@@ -97,7 +97,7 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
         if runtime.failure is not None or not server.started:
             return 1
         return 0
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, StopSignal):
         return 0 if runtime is None or runtime.failure is None else 1
     except StartupError as exc:
         logger.error("%s", exc)
@@ -120,7 +120,7 @@ def _serve_node_ranks(config: EngineConfig, args: ServerArgs) -> int:
             "node %d: TP ranks %s ready; node 0 (%s) serves the API", config.node_rank, ranks, addr
         )
         return runtime.wait_all()
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, StopSignal):
         return 0
     except StartupError as exc:
         logger.error("%s", exc)
