@@ -34,7 +34,7 @@ from minisgl.extensions.data_parallel.options import (
 )
 from minisgl.ipc.child import LOG_FORMAT, die_with_parent
 from minisgl.server.args import ServerArgs
-from minisgl.server.launch import StopSignal, raise_stop
+from minisgl.server.launch import StopSignal, bind_listener, raise_stop
 from minisgl.server.runtime import STARTUP_TIMEOUT_S, StartupError
 
 logger = logging.getLogger("minisgl.data_parallel")
@@ -126,6 +126,7 @@ def _start(
     fleet: Fleet, config: EngineConfig, args: ServerArgs, envs: list[dict[str, str]]
 ) -> None:
     started = time.perf_counter()
+    bind_listener(args.host, args.port).close()  # a busy port fails now, not after loading
     opts = args.ext(DataParallelOptions)
     ctx = mp.get_context("spawn")
     others = tuple(e for e in args.extensions if not isinstance(e, DataParallelOptions))
@@ -169,13 +170,14 @@ def _watch(fleet: Fleet, args: ServerArgs) -> int:
             return 1
         for r in live:
             if r.process.exitcode is not None:
-                left = len(fleet.live())
+                removed = router.remove_worker(url, r.url, args.api_key)
                 logger.error(
-                    "replica %d (%s, pid %s) exited with code %s: removed from the router; "
-                    "%d of %d replicas left",
-                    *(r.index, r.url, r.process.pid, r.process.exitcode, left, len(fleet.replicas)),
+                    "replica %d (%s, pid %s) exited with code %s: %s the router; %d of %d "
+                    "replicas left",
+                    *(r.index, r.url, r.process.pid, r.process.exitcode),
+                    "removed from" if removed else "could not remove it from",
+                    *(len(fleet.live()), len(fleet.replicas)),
                 )
-                router.remove_worker(url, r.url, args.api_key)
         if not fleet.live():
             logger.error("no replica left: stopping")
             return 1

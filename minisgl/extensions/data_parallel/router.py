@@ -97,8 +97,12 @@ def wait_ready(url: str, proc: BaseProcess, replicas: int, api_key: str | None) 
 
 
 def remove_worker(router_url: str, worker_url: str, api_key: str | None) -> bool:
-    """Take one replica out of the router's list (False if the router did not know it)."""
-    _, listed = call("GET", router_url + "/workers", api_key)
-    workers = listed.get("workers", []) if isinstance(listed, dict) else []
-    ids = [w["id"] for w in workers if w.get("url") == worker_url]
-    return any(call("DELETE", f"{router_url}/workers/{i}", api_key)[0] < 300 for i in ids)
+    """Take one replica out of the router's list (False if that failed: the router's own
+    health checks and retries then keep requests off it)."""
+    try:
+        _, listed = call("GET", router_url + "/workers", api_key)
+        workers = listed.get("workers", []) if isinstance(listed, dict) else []
+        ids = [w["id"] for w in workers if w.get("url") == worker_url]
+        return any(call("DELETE", f"{router_url}/workers/{i}", api_key)[0] < 300 for i in ids)
+    except OSError:
+        return False

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -177,24 +178,27 @@ def system_prompt(conv: int) -> str:
     return f"Conversation {conv}. You are a terse assistant. Notes: " + " ".join(words)
 
 
-def run_conversations(client: openai.OpenAI) -> list[list[tuple[int, int]]]:
-    """8 conversations x 4 turns, each turn the previous turn's messages plus the reply and
-    a new question: (prompt_tokens, cached_tokens) of every turn."""
-    usage: list[list[tuple[int, int]]] = []
-    for conv in range(8):
-        messages: list[Any] = [{"role": "system", "content": system_prompt(conv)}]
-        usage.append([])
-        for turn in range(4):
-            question = f"Question {turn}: " + " ".join(WORDS[turn : turn + 12]) + "?"
-            messages.append({"role": "user", "content": question})
-            out = client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=4, temperature=0
-            )
-            assert out.usage is not None and out.usage.prompt_tokens_details is not None
-            cached = out.usage.prompt_tokens_details.cached_tokens or 0
-            usage[-1].append((out.usage.prompt_tokens, cached))
-            messages.append({"role": "assistant", "content": out.choices[0].message.content})
+def conversation(client: openai.OpenAI, conv: int) -> list[tuple[int, int]]:
+    """4 turns, each the previous turn's messages plus the reply and a new question:
+    (prompt_tokens, cached_tokens) of every turn."""
+    messages: list[Any] = [{"role": "system", "content": system_prompt(conv)}]
+    usage = []
+    for turn in range(4):
+        question = f"Question {turn}: " + " ".join(WORDS[turn : turn + 12]) + "?"
+        messages.append({"role": "user", "content": question})
+        out = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0
+        )
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        usage.append((out.usage.prompt_tokens, out.usage.prompt_tokens_details.cached_tokens or 0))
+        messages.append({"role": "assistant", "content": out.choices[0].message.content})
     return usage
+
+
+def run_conversations(client: openai.OpenAI, at_once: int) -> list[list[tuple[int, int]]]:
+    """8 conversations, ``at_once`` of them at a time."""
+    with ThreadPoolExecutor(at_once) as pool:
+        return list(pool.map(lambda conv: conversation(client, conv), range(8)))
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +206,7 @@ def cache_aware_usage(
     client: openai.OpenAI, dp_server: ServerHandle
 ) -> list[list[tuple[int, int]]]:
     assert call(dp_server, "POST", "/flush_cache", headers=AUTH)[0] == 200
-    return run_conversations(client)
+    return run_conversations(client, at_once=8)  # the thresholds make load irrelevant
 
 
 def test_cache_aware_routing_reuses_each_conversations_prefix(
@@ -236,7 +240,8 @@ def test_round_robin_reuses_less(
 
         assert wait_until(ready, 60)
         rr = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-        usage = run_conversations(rr)
+        # One at a time: round robin then alternates replicas turn by turn, deterministically.
+        usage = run_conversations(rr, at_once=1)
     finally:
         proc.terminate()
         proc.wait(30)
