@@ -68,6 +68,11 @@ def test_dp_size_zero_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "dp_size=0 is invalid" in capsys.readouterr().err
 
 
+def test_dp_size_is_a_server_option_not_an_engine_one() -> None:
+    with pytest.raises(ValueError, match="unknown option"):
+        EngineConfig.from_kwargs(dp_size=2)  # LLM(...) takes the same keywords
+
+
 def test_without_the_router_dp_names_the_extra(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
