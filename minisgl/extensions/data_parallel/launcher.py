@@ -119,6 +119,11 @@ def serve_replicas(config: EngineConfig, args: ServerArgs) -> int:
         logger.error("%s", exc)
         return 1
     finally:
+        # A second signal must not cut the drain short and leave processes behind; the
+        # drain is bounded (--shutdown-timeout), and SIGKILL still stops us (and, with us,
+        # every replica: they die with their parent).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         fleet.stop(args.shutdown_timeout)
 
 

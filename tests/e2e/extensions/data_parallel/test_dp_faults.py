@@ -1,13 +1,14 @@
 """A replica of ``--dp-size 2`` killed (SIGKILL) in the middle of 50 requests: every request
 in flight ends (answered, or a clean HTTP error: none hangs), the launcher logs the death and
 takes the replica out of the router, requests sent afterwards all succeed, and SIGTERM of the
-launcher leaves no process behind."""
+launcher lets a stream in flight finish and leaves no process behind."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -75,6 +76,21 @@ def test_replica_killed_mid_run() -> None:
         after = [client.chat.completions.create(model="m", messages=ASK, max_tokens=4)]
         after += [client.completions.create(model="m", prompt="Hi", max_tokens=4) for _ in range(9)]
         assert all(a.choices for a in after)
+        # SIGTERM with a stream in flight: the router lets it finish, then all stops.
+        started, ends = threading.Event(), list[str]()
+
+        def stream() -> None:
+            chunks = client.chat.completions.create(model="m", messages=ASK, stream=True, **LONG)
+            for chunk in chunks:
+                started.set()
+                ends.extend(c.finish_reason for c in chunk.choices if c.finish_reason)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        reader.join(120)
+        assert ends == ["length"], ends
     finally:
         code = server.stop(signal.SIGTERM)
     assert code == 0, server.log()[-3000:]

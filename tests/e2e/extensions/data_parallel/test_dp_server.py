@@ -85,52 +85,51 @@ def test_clients_need_the_key(dp_server: ServerHandle) -> None:
         assert http("GET", url + "/v1/models")[0] == 401
 
 
-CHATS: list[dict[str, Any]] = [
-    {"max_tokens": 8},
-    {"max_tokens": 8, "n": 2},
-    {"max_tokens": 8, "logprobs": True, "top_logprobs": 2},
-    {"max_tokens": 16, "stop": ["."]},
-]
+def choices(out: Any, stream: bool, text: Any) -> list[tuple[int, str, str, list[float]]]:
+    """(index, text, finish_reason, token logprobs) of every choice, streamed or not."""
+    got: dict[int, list[Any]] = {}
+    for chunk in out if stream else [out]:
+        for ch in chunk.choices:
+            seen = got.setdefault(ch.index, ["", None, []])
+            seen[0] += text(ch) or ""
+            seen[1] = ch.finish_reason or seen[1]
+            # Chat choices carry logprobs.content, completions logprobs.token_logprobs.
+            lp = getattr(ch.logprobs, "content", None) or getattr(ch.logprobs, "token_logprobs", [])
+            seen[2] += [round(t if isinstance(t, float) else t.logprob, 4) for t in lp or []]
+    return sorted((i, *v) for i, v in got.items())
 
 
-@pytest.mark.parametrize("extra", CHATS, ids=["plain", "n2", "logprobs", "stop"])
+@pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_one_server(
-    client: openai.OpenAI, one_server: openai.OpenAI, extra: dict[str, Any]
+    client: openai.OpenAI, one_server: openai.OpenAI, stream: bool
 ) -> None:
-    def ask(c: openai.OpenAI) -> Any:
-        out = c.chat.completions.create(model=MODEL, messages=ASK, temperature=0, **extra)
-        return [(ch.message.content, ch.finish_reason, ch.logprobs) for ch in out.choices]
+    """n=2, logprobs and a stop string in one request: every choice as one server gives it."""
 
-    assert ask(client) == ask(one_server)
+    def ask(c: openai.OpenAI) -> list[tuple[int, str, str, list[float]]]:
+        out = c.chat.completions.create(
+            model=MODEL, messages=ASK, temperature=0, max_tokens=12, n=2, stop=["."],
+            logprobs=True, top_logprobs=2, stream=stream,
+        )  # fmt: skip
+        return choices(out, stream, lambda ch: ch.delta.content if stream else ch.message.content)
 
-
-def test_streamed_chat_equals_one_server(client: openai.OpenAI, one_server: openai.OpenAI) -> None:
-    def ask(c: openai.OpenAI) -> str:
-        stream: Any = c.chat.completions.create(
-            model=MODEL, messages=ASK, temperature=0, max_tokens=12, stream=True, stop=["."]
-        )
-        return "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
-
-    assert ask(client) == ask(one_server)
+    routed = ask(client)
+    assert routed == ask(one_server)
+    assert [c[2] for c in routed] == ["stop", "stop"] and all(c[3] for c in routed), routed
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_equal_one_server(
     client: openai.OpenAI, one_server: openai.OpenAI, stream: bool
 ) -> None:
-    def ask(c: openai.OpenAI) -> list[tuple[int, str]]:
-        kw: dict[str, Any] = dict(prompt="The capital of France is", temperature=0, n=2)
-        out: Any = c.completions.create(
-            model=MODEL, max_tokens=8, logprobs=2, stop=["\n"], **kw, stream=stream
-        )
-        chunks = out if stream else [out]
-        texts: dict[int, str] = {}
-        for chunk in chunks:
-            for ch in chunk.choices:
-                texts[ch.index] = texts.get(ch.index, "") + ch.text
-        return sorted(texts.items())
+    def ask(c: openai.OpenAI) -> list[tuple[int, str, str, list[float]]]:
+        out = c.completions.create(
+            model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=8, n=2,
+            logprobs=2, stop=["\n"], stream=stream,
+        )  # fmt: skip
+        return choices(out, stream, lambda ch: ch.text)
 
-    assert ask(client) == ask(one_server)
+    routed = ask(client)
+    assert routed == ask(one_server) and all(c[3] for c in routed), routed
 
 
 def test_generate_equals_one_server(dp_server: ServerHandle, default_server: ServerHandle) -> None:
