@@ -76,6 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return run_shell(config, params)
-    from minisgl.server.launch import serve
+    from minisgl.server.launchers import launch
 
-    return serve(config, settings)
+    return launch(config, settings)

@@ -130,6 +130,12 @@ def child_environ(values: dict[Switch[object], object]) -> dict[str, str]:
     return env
 
 
+def export(values: dict[str, str]) -> None:
+    """Set variables of other programs (CUDA's device list, OpenMP's threads) in this
+    process's environment, for the libraries it loads next and the processes it starts."""
+    os.environ.update(values)
+
+
 def _spell(value: object) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"

@@ -38,7 +38,11 @@ def setup_child(log_level: str) -> None:
     # SIGTERM (what the parent sends to stop us) ends the process at once, even in the middle
     # of a long C call such as loading weights; the parent cleans up the sockets' directory.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    # If the parent is killed outright (SIGKILL), take the children down with it.
+    die_with_parent()
+
+
+def die_with_parent() -> None:
+    """If the parent is killed outright (SIGKILL), take this process down with it."""
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -44,6 +44,14 @@ def default_served_name(config: EngineConfig) -> str:
     return config.model
 
 
+def tokenizer_path(config: EngineConfig, runtime: Runtime, model_path: str) -> str:
+    """What routers load the tokenizer from: the one given, else the model's; a GGUF file
+    holds no Hugging Face tokenizer, so then the copy the tokenizer worker saved."""
+    if config.tokenizer is not None:
+        return config.tokenizer
+    return str(runtime.run_dir / "tokenizer") if model_path.endswith(".gguf") else model_path
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -57,18 +65,18 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Stop(Exception):
+class StopSignal(Exception):
     """Raised by our SIGTERM handler so that cleanup runs."""
 
 
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop()
+def raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise StopSignal()
 
 
 def serve(config: EngineConfig, args: ServerArgs) -> int:
     """Run the server until Ctrl-C/SIGTERM (exit code 0) or a child dies (exit code 1)."""
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
-    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGTERM, raise_stop)
     started = time.perf_counter()
     runtime: Runtime | None = None
     logger.info("%r", args)  # the API key shows as <set>: logs get shared, keys must not
@@ -89,7 +97,7 @@ def serve(config: EngineConfig, args: ServerArgs) -> int:
         if runtime.failure is not None or not server.started:
             return 1
         return 0
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, StopSignal):
         return 0 if runtime is None or runtime.failure is None else 1
     except StartupError as exc:
         logger.error("%s", exc)
@@ -112,7 +120,7 @@ def _serve_node_ranks(config: EngineConfig, args: ServerArgs) -> int:
             "node %d: TP ranks %s ready; node 0 (%s) serves the API", config.node_rank, ranks, addr
         )
         return runtime.wait_all()
-    except (KeyboardInterrupt, _Stop):
+    except (KeyboardInterrupt, StopSignal):
         return 0
     except StartupError as exc:
         logger.error("%s", exc)
@@ -139,6 +147,8 @@ def _make_server(
         served_model_name=args.served_model_name or default_served_name(config),
         model_path=str(engine_info["model_path"]),
         context_length=int(str(engine_info["context_length"])),
+        tokenizer_path=tokenizer_path(config, runtime, str(engine_info["model_path"])),
+        tp_size=config.tp_size,
         engine=engine_info,
     )
     frontend = Frontend(

@@ -1,4 +1,5 @@
-"""SGLang-native routes: POST /generate, /flush_cache, /get_model_info, /debug/integrity."""
+"""SGLang-native routes: POST /generate, /abort_request, /flush_cache, /server_info and
+/model_info (and their /get_ names), /debug/integrity."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
+import minisgl
 from minisgl.ipc.messages import ControlReply, JSONDict, SubmitItem, TextOutput
 from minisgl.server.errors import APIError, ServiceUnavailable, bad_request
 from minisgl.server.native_protocol import GenerateRequest
@@ -146,17 +148,46 @@ async def integrity(request: Request) -> Response:
     return JSONResponse(data, status_code=200 if reply.ok else 500)
 
 
+# SGLang's routers (sglang-router) read these when a worker registers: the model id from
+# served_model_name (else model_path), the tokenizer from tokenizer_path, dp_size for
+# DP-aware routing, and the limits. Each replica is one engine, so its dp_size is 1.
+@router.get("/model_info")
 @router.get("/get_model_info")
-async def get_model_info(request: Request) -> Response:
+async def model_info(request: Request) -> Response:
     info = server_state(request).info
+    engine = info.engine
     return JSONResponse(
         {
             "model_path": info.model_path,
             "served_model_name": info.served_model_name,
-            "tokenizer_path": info.model_path,
+            "tokenizer_path": info.tokenizer_path,
             "is_generation": True,
+            "model_type": engine.get("model_type"),
+            "architectures": [engine["architecture"]] if "architecture" in engine else None,
             "context_length": info.context_length,
             "max_model_len": info.context_length,
-            **{k: v for k, v in info.engine.items() if k in ("page_size", "num_pages", "device")},
+            **{k: v for k, v in engine.items() if k in ("page_size", "num_pages", "device")},
+        }
+    )
+
+
+@router.get("/server_info")
+@router.get("/get_server_info")
+async def server_info(request: Request) -> Response:
+    info = server_state(request).info
+    engine = info.engine
+    pages = engine.get("num_pages")
+    return JSONResponse(
+        {
+            "model_path": info.model_path,
+            "served_model_name": info.served_model_name,
+            "tokenizer_path": info.tokenizer_path,
+            "dp_size": 1,
+            "tp_size": info.tp_size,
+            "context_length": info.context_length,
+            "max_total_tokens": int(str(pages)) * int(str(engine["page_size"])) if pages else None,
+            "max_running_requests": engine.get("max_running_requests"),
+            "max_prefill_tokens": engine.get("chunked_prefill_size"),
+            "version": minisgl.__version__,
         }
     )

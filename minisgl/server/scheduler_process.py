@@ -93,7 +93,11 @@ def _serve(args: SchedulerArgs, report_queue: Queue[child.ChildReport]) -> None:
                 "vocab_size": engine.model_config.vocab_size,
                 "num_pages": engine.pool.num_pages,
                 "page_size": args.config.page_size,
+                "max_running_requests": engine.max_running_requests,
+                "chunked_prefill_size": engine.chunked_prefill_size,
                 "model_path": str(engine.resolved.path),
+                "model_type": engine.model_config.model_type,
+                "architecture": engine.model_config.architecture,
                 "device": str(engine.device),
             }
         )

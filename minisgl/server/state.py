@@ -27,6 +27,8 @@ class ModelInfo:
     served_model_name: str
     model_path: str
     context_length: int
+    tokenizer_path: str
+    tp_size: int
     engine: JSONDict = field(default_factory=dict)  # the scheduler's ready report
 
 

@@ -276,3 +276,32 @@ def stop_and_check(server: ServerHandle, secret: str | None = None) -> None:
     if secret is not None:
         assert secret not in server.log(), "the API key leaked into the log"
     assert_clean_log(server)
+
+
+# ---------------------------------------------------------------- data-parallel servers
+def start_dp_server(args: list[str], replicas: int, key: str) -> ServerHandle:
+    """``python -m minisgl --dp-size N`` with the API key (from the environment, never argv);
+    returns once the router has found every replica healthy."""
+    server = start_server(
+        ["--dp-size", str(replicas), *args], extra_env={env.API_KEY.env_name: key}
+    )
+    auth = {"Authorization": f"Bearer {key}"}
+
+    def ready() -> bool:
+        status, body = call(server, "GET", "/readiness", headers=auth, timeout=5)
+        return status == 200 and body.get("healthy_workers") == replicas
+
+    assert wait_until(ready, 120, 0.5), server.log()[-3000:]
+    return server
+
+
+def process_tree(pid: int) -> list[int]:
+    """A process and every descendant, to check that none outlives a stop."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [pid, *(p.pid for p in root.children(recursive=True))]
+
+
+def replica_pids(server: ServerHandle) -> dict[int, int]:
+    return {int(i): int(p) for i, p in re.findall(r"replica (\d+) \(pid (\d+)\)", server.log())}

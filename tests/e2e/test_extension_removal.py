@@ -100,6 +100,7 @@ PROBES: dict[str, Probe] = {
     "quantization": Probe(
         "LLM(QUANTIZED)", "quantization_config.quant_method='gptq' is not supported"
     ),
+    "data_parallel": Probe(flags=("--dp-size", "2")),
 }
 
 CHILD = """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,6 +104,18 @@ def test_info_routes(default_server: ServerHandle) -> None:
     status, info = default_server.get("/get_model_info")
     assert status == 200 and info["served_model_name"] == "smollm2"
     assert info["context_length"] == 8192
+    # SGLang's router registers a worker from these (the names sglang-router 0.3.2 reads).
+    for path in ("/model_info", "/server_info", "/get_server_info"):
+        status, same = default_server.get(path)
+        assert status == 200 and same["served_model_name"] == "smollm2", (path, same)
+        assert same["model_path"] == info["model_path"]
+        assert Path(same["tokenizer_path"], "tokenizer_config.json").is_file()
+    _, model = default_server.get("/model_info")
+    assert model["model_type"] == "llama" and model["architectures"] == ["LlamaForCausalLM"]
+    _, server = default_server.get("/server_info")
+    assert server["dp_size"] == 1 and server["tp_size"] == 1 and server["version"]
+    assert server["max_total_tokens"] == info["num_pages"] * info["page_size"]
+    assert server["max_running_requests"] > 0 and server["max_prefill_tokens"] > 0
     status, flushed = default_server.post("/flush_cache")
     assert status == 200 and flushed["success"] is True
 
