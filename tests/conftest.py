@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 import weakref
 from collections.abc import Iterator
@@ -13,11 +14,13 @@ from tests.helpers import TinyModels, assert_engine_clean  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist each worker computes on one thread: two workers on the two-core CI
-    machine, not four threads fighting over two cores."""
+    """Under pytest-xdist each worker, and each server or engine process it starts, computes
+    on one thread: with two workers on the two-core CI machine, OpenMP threads that spin for
+    a busy core slow a server's steps several times over."""
     if hasattr(config, "workerinput"):
         import torch
 
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every child process
         torch.set_num_threads(1)
 
 

@@ -49,10 +49,10 @@ def run_checks(checks: dict[str, Check], device: torch.device) -> dict[str, str]
 
 
 @functools.cache
-def _child_results(script: str) -> dict[str, str] | str:
+def _child_results(script: str, names: tuple[str, ...]) -> dict[str, str] | str:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, script], env=env, capture_output=True, text=True, timeout=900
+        [sys.executable, script, *names], env=env, capture_output=True, text=True, timeout=900
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -60,9 +60,10 @@ def _child_results(script: str) -> dict[str, str] | str:
     return dict(json.loads(lines[-1]))
 
 
-def interpreted(script: str, name: str) -> None:
-    """Assert on check ``name`` of ``script`` run under the interpreter (one child per file)."""
-    results = _child_results(script)
+def interpreted(script: str, names: tuple[str, ...], name: str) -> None:
+    """Assert on check ``name`` of ``script`` run under the interpreter: one child runs the
+    file's ``names`` (its everyday checks, or its slow ones)."""
+    results = _child_results(script, names)
     outcome = results.get(name, "failed: no result") if isinstance(results, dict) else results
     report(outcome if isinstance(results, dict) else "failed: " + results)
 
@@ -81,19 +82,28 @@ def report(outcome: str) -> None:
 
 
 def main(checks: dict[str, Check]) -> None:
-    """The child's entry point: run every check on the CPU, print the verdicts."""
+    """The child's entry point: run the checks named on the command line (all of them when
+    none is named) on the CPU, print the verdicts."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    print(json.dumps(run_checks(checks, torch.device("cpu"))))
+    chosen = {n: f for n, f in checks.items() if n in sys.argv[1:]} if sys.argv[1:] else checks
+    print(json.dumps(run_checks(chosen, torch.device("cpu"))))
 
 
-def make_tests(script: str, checks: dict[str, Check]) -> tuple[Callable[..., None], ...]:
-    """A kernel-check module's two pytest tests: every check under the interpreter (in one
-    child) and, with CUDA, natively. Bind them at module level as test_* names."""
+def make_tests(
+    script: str, checks: dict[str, Check], slow: tuple[str, ...] = ()
+) -> tuple[Callable[..., None], ...]:
+    """A kernel-check module's two pytest tests: every check under the interpreter and, with
+    CUDA, natively. Bind them at module level as test_* names. Under the interpreter the
+    ``slow`` checks (the ones that repeat another check's kernel path with more dtypes, tiles
+    or chunkings) carry the slow marker and run in a child of their own."""
+    assert set(slow) <= set(checks), set(slow) - set(checks)
+    everyday = tuple(sorted(n for n in checks if n not in slow))
+    params = [pytest.param(n, marks=pytest.mark.slow) for n in sorted(slow)]
 
     @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
-    @pytest.mark.parametrize("name", sorted(checks))
+    @pytest.mark.parametrize("name", [*everyday, *params])
     def test_interpreted(name: str) -> None:
-        interpreted(script, name)
+        interpreted(script, tuple(sorted(slow)) if name in slow else everyday, name)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -417,7 +417,7 @@ def check_sampler_uses_fused_path(device: torch.device) -> None:
 CHECKS = kernel_checks.collect(globals())
 
 
-test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS, slow=("sampling_race",))
 
 
 if __name__ == "__main__":

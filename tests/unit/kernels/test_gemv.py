@@ -72,7 +72,7 @@ def check_gemv_tile_rule(device: torch.device) -> None:
 CHECKS = kernel_checks.collect(globals())
 
 
-test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS, slow=("gemv_tile_rule",))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ CHECKS = kernel_checks.collect(globals())
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_kernel_interpreted(name: str) -> None:
-    kernel_checks.interpreted(__file__, name)
+    kernel_checks.interpreted(__file__, tuple(sorted(CHECKS)), name)
 
 
 if __name__ == "__main__":

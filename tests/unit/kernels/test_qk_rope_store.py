@@ -285,7 +285,9 @@ def check_layer_uses_fused_path(device: torch.device) -> None:
 CHECKS = kernel_checks.collect(globals())
 
 
-test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+test_interpreted, test_on_gpu = kernel_checks.make_tests(
+    __file__, CHECKS, slow=("matches_unfused_bf16",)
+)
 
 
 if __name__ == "__main__":

@@ -188,7 +188,9 @@ def check_int4_gemv_strided_rows_and_empty(device: torch.device) -> None:
 CHECKS = kernel_checks.collect(globals())
 
 
-test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+test_interpreted, test_on_gpu = kernel_checks.make_tests(
+    __file__, CHECKS, slow=("int4_gemv_explicit_tiles", "int4_gemv_half_precision")
+)
 
 
 if __name__ == "__main__":

@@ -160,7 +160,8 @@ def _after_thinking(llm: LLM, free: list[int], out: dict[str, Any]) -> str:
     return str(llm.tokenizer.decode(out["token_ids"][end:], skip_special_tokens=True))
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+# Overlap every day in test_overlap_scheduling_gives_the_same_tokens; here it is a repeat.
+@pytest.mark.parametrize("overlap", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_grammar_waits_for_the_end_of_the_thinking(llm: LLM, overlap: bool) -> None:
     """With grammar_after the thinking is free text (the same tokens as with no grammar at
     all) and what follows "</think>" matches the grammar; without it the grammar constrains
@@ -214,6 +215,7 @@ def test_a_prompt_that_closed_the_thinking_is_constrained_at_once(llm: LLM) -> N
     assert_engine_clean(llm)
 
 
+@pytest.mark.slow  # retraction (test_preemption_keeps_the_grammar_state) while waiting
 def test_preemption_while_thinking(llm: LLM) -> None:
     """Requests retracted before, while or after their thinking resume where they were (still
     waiting for "</think>", or with their matcher's state): the outputs equal those of a pool
