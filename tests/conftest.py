@@ -24,6 +24,22 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """For xdist's loadgroup: a whole file goes to one worker (its module fixtures start
+    once), and the files that share the session's default-model server go together (it
+    starts once). Those and the other end-to-end files are queued first, so that the last
+    assignments, which decide when both workers are done, are short unit files."""
+    shared = {item.path for item in items if "default_server" in item.fixturenames}
+
+    def group(item: pytest.Item) -> str:
+        return "default_server" if item.path in shared else str(item.path)
+
+    items.sort(key=lambda item: (group(item) != "default_server", "e2e" not in item.path.parts))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+
+
 @pytest.fixture(autouse=True)
 def _every_engine_ends_clean(monkeypatch: pytest.MonkeyPatch) -> object:
     """After every test that ran an engine in this process: integrity holds and every page

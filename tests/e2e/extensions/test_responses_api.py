@@ -107,6 +107,7 @@ WEATHER = {
 }
 
 
+@pytest.mark.slow  # forced calls: the chat tool tests; Responses events: test_streamed_events
 def test_function_call_forced_streamed_and_answered(client: openai.OpenAI) -> None:
     """tool_choice "required" (a grammar makes the small model call): a function_call item
     whose arguments match the schema, the same when streamed; then the call and its output go

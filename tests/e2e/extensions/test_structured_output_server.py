@@ -307,6 +307,7 @@ def thinking_server() -> Iterator[ServerHandle]:
 THINK = 'root ::= "<think>" [a-z]{1,12} " " [a-z]{1,12} "</think>" "\\n\\n" ("Paris" | "Lyon") "."'
 
 
+@pytest.mark.slow  # a second default-model server for one test; the parser: test_reasoning.py
 def test_reasoning_content_split_off(thinking_server: ServerHandle) -> None:
     client = openai.OpenAI(base_url=thinking_server.url("/v1"), api_key="none", max_retries=0)
     ask = {"model": MODEL, "messages": ASK, "max_tokens": 48, "temperature": 0}
