@@ -78,7 +78,8 @@ def load_model_weights(
     elif resolved.kind == "gguf":
         from minisgl.models.gguf_loader import iter_gguf_weights
 
-        load_weights(model, iter_gguf_weights(resolved.path, dtype))
+        raw = hf_config.get("quantization_config") is not None  # kept quantized (gguf method)
+        load_weights(model, iter_gguf_weights(resolved.path, dtype, raw))
     else:
         load_weights(model, iter_safetensors(Path(resolved.path), device))
 

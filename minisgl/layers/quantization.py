@@ -22,7 +22,7 @@ run time, since processes that never compute (the API server) load the extension
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from minisgl.extension_loader import load_extensions
 
@@ -63,6 +63,16 @@ class QuantMethod(Protocol):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in_local] -> x W^T (+ bias) [M, out_features], in x's dtype."""
+        ...
+
+
+@runtime_checkable
+class EmbeddingQuantMethod(QuantMethod, Protocol):
+    """A method that also keeps the embedding (and the LM head, `apply`) quantized."""
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (local to the layer) of its weight, in the dtype `finish_loading`
+        was given."""
         ...
 
 

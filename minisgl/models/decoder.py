@@ -13,11 +13,17 @@ from minisgl.attention.base import ForwardBatch
 from minisgl.distributed import TPInfo
 from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.attention import SelfAttention
-from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.quantization import EmbeddingQuantMethod
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
+
+
+def _embed_quant(cfg: ModelConfig) -> EmbeddingQuantMethod | None:
+    """The checkpoint's method where it also quantizes embeddings (GGUF), else None."""
+    return cfg.quant if isinstance(cfg.quant, EmbeddingQuantMethod) else None
 
 
 class GatedMLP(nn.Module):
@@ -67,7 +73,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPInfo, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        # A ParallelLMHead, so that tied models use this one module for the output too.
+        self.embed_tokens = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, _embed_quant(cfg))
         # One RoPE table shared by every layer (buffers are not parameters, so not loaded).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_position)
         layers = [DecoderLayer(cfg, i, rotary, tp) for i in range(cfg.num_layers)]
@@ -92,9 +99,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, tp, max_position)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, _embed_quant(cfg))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, vocab] in the model's dtype for the tokens in ``batch.logits_index``.

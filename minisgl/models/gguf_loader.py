@@ -3,7 +3,9 @@
 GGUF differs from a Hugging Face checkpoint in four ways this module undoes:
 - tensor names follow llama.cpp (``blk.3.attn_q.weight``) rather than HF (``model.layers.3...``);
 - dims are stored innermost-first, i.e. reversed relative to torch;
-- weights may be block-quantized (dequantized here through ``gguf.quants``);
+- weights may be block-quantized: dequantized here through ``gguf.quants``, or handed over
+  as raw blocks to the ``gguf`` quantization method where one is registered and takes every
+  block type of the file (CPU kernels that read them quantized: extensions/quantization);
 - for the ``llama`` architecture llama.cpp's converter interleaves the rows of q_proj/k_proj to
   suit its rotary kernel; qwen2/qwen3 are converted without that permutation.
 """
@@ -22,6 +24,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
 from gguf.quants import dequantize
+
+from minisgl.layers.quantization import parse_quant_config
 
 if TYPE_CHECKING:
     from gguf.gguf_reader import ReaderTensor
@@ -195,7 +199,30 @@ def gguf_hf_config(path: str | Path) -> dict[str, object]:
         token_id = _meta(reader, f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
             config[f"{key.replace('padding', 'pad')}_token_id"] = int(token_id)
+    quant = _quantization_config(reader)
+    if quant is not None:
+        config["quantization_config"] = quant
     return config
+
+
+def _quantization_config(reader: GGUFReader) -> dict[str, object] | None:
+    """``{"quant_method": "gguf", "tensor_types": [...]}`` where the registered ``gguf``
+    method keeps every block type of the file quantized; None (dequantize) otherwise."""
+    types = sorted({t.tensor_type.name for t in reader.tensors if _is_quantized(t)})
+    if not types:
+        return None
+    quant: dict[str, object] = {"quant_method": "gguf", "tensor_types": types}
+    try:
+        parse_quant_config(quant)
+    except ValueError as exc:
+        logger.info("GGUF weights are dequantized at load: %s", exc)
+        return None
+    return quant
+
+
+def _is_quantized(tensor: ReaderTensor) -> bool:
+    float_types = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    return tensor.tensor_type not in _PLAIN_NUMPY and tensor.tensor_type not in float_types
 
 
 def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -250,9 +277,12 @@ def _to_torch(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    path: str | Path, dtype: torch.dtype = torch.float32
+    path: str | Path, dtype: torch.dtype = torch.float32, raw_quantized: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` pairs one at a time, dequantized to ``dtype``.
+    """Yield ``(hf_name, tensor)`` pairs one at a time, dequantized to ``dtype``; with
+    ``raw_quantized``, each quantized tensor instead as its blocks' bytes [rows, row bytes]
+    under ``<layer>.gguf_<type>`` (e.g. ``model.layers.0.mlp.down_proj.gguf_q4_k``), for the
+    ``gguf`` quantization method.
 
     Only the tensor being yielded is materialised; the file stays memory-mapped. Tied models have
     no ``output.weight``, so no ``lm_head.weight`` is yielded for them (see tie_word_embeddings).
@@ -266,7 +296,11 @@ def iter_gguf_weights(
         if name is None:
             logger.warning("ignoring GGUF tensor %s (no Hugging Face equivalent)", tensor.name)
             continue
-        weight = _to_torch(tensor, dtype)
+        if raw_quantized and _is_quantized(tensor):
+            name = f"{name.rsplit('.', 1)[0]}.gguf_{tensor.tensor_type.name.lower()}"
+            weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+        else:
+            weight = _to_torch(tensor, dtype)
         if permuted and ".self_attn.q_proj." in name:
             weight = _unpermute_rows(weight, heads).contiguous()
         elif permuted and ".self_attn.k_proj." in name:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ShardedLinear
 from minisgl.layers.moe import ALL_EXPERTS
 
@@ -106,7 +107,7 @@ def finish_loading(model: nn.Module) -> None:
     dtype = floats[0] if floats else torch.get_default_dtype()
     hooked = False
     for module in model.modules():
-        if isinstance(module, ShardedLinear) and module.quant is not None:
+        if isinstance(module, (ShardedLinear, VocabParallelEmbedding)) and module.quant:
             module.finish_loading(dtype)
             hooked = True
     if hooked and torch.cuda.is_available():

@@ -1,5 +1,6 @@
-"""4-bit GPTQ and AWQ checkpoints (int4.py; kernels/ for CUDA), a quantization method of
-minisgl/layers/quantization.py registered for ``quant_method`` gptq and awq.
+"""Quantization methods of minisgl/layers/quantization.py: 4-bit GPTQ and AWQ checkpoints
+(int4.py; kernels/ for CUDA), registered for ``quant_method`` gptq and awq, and GGUF blocks
+kept quantized on CPU (gguf.py; csrc/gguf_cpu.c), registered as ``gguf``.
 
 Registering imports nothing heavy: the method's module (torch) is imported when a
 checkpoint asks for it.
@@ -25,5 +26,12 @@ def parse(config: Mapping[str, object]) -> QuantMethod:
     return parse_int4(config)
 
 
+def parse_gguf(config: Mapping[str, object]) -> QuantMethod:
+    from minisgl.extensions.quantization.gguf import parse_gguf_method
+
+    return parse_gguf_method(config)
+
+
 register_quant_method("gptq", parse)
 register_quant_method("awq", parse)
+register_quant_method("gguf", parse_gguf)

@@ -1,0 +1,155 @@
+"""Packed GGUF weights and the calls into the AVX2 kernels of csrc/gguf_cpu.c.
+
+`pack` turns a layer's loaded parts (int8 codes, scale and offset per 16 inputs) into
+segments of rows of one kind, each in its kernel's layout: 4-bit codes two to a byte with a
+scale and an offset per 32 inputs (Q4_0, Q4_1, Q4_K), or int8 codes with a scale per 32
+(Q8_0) or 16 (Q6_K). Scales are float16 where that is exact, else float32. Nothing is
+rounded: the segment's weight is the file's (`Segment.dequantized`, used by the tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from minisgl.extensions.quantization.gguf_blocks import FOUR_BIT
+from minisgl.extensions.quantization.switches import GGUF_KERNELS
+
+
+def _module() -> object | None:
+    try:  # built by `pip install` where a C compiler is found (setup.py); optional
+        return importlib.import_module("minisgl.extensions.quantization._gguf_cpu")
+    except ImportError:
+        return None
+
+
+_KERNELS = _module()
+
+
+def kernels_available() -> bool:
+    """The extension is built, the CPU has AVX2, and MINISGL_GGUF_KERNELS is on."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    return _KERNELS is not None and cpu in ("AVX2", "AVX512") and GGUF_KERNELS.get()
+
+
+@dataclass
+class Segment:
+    """Rows [start, start + rows) of a layer's weight, all of one kind."""
+
+    start: int
+    rows: int
+    four_bit: bool
+    codes: torch.Tensor  # 4-bit: uint8 [rows, K / 2]; 8-bit: int8 [rows, K]
+    scale: torch.Tensor  # [rows, K / group], float16 or float32
+    offset: torch.Tensor  # 4-bit: like scale; 8-bit: empty
+    group: int  # inputs per scale: 32, or 16 for Q6_K
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out[:, start:start + rows] = x W^T for float32 x [M, K] and out [M, N]."""
+        m, k = x.shape
+        half = int(self.scale.dtype == torch.float16)
+        dst = out.data_ptr() + self.start * out.element_size()
+        n, ldo = self.rows, out.shape[1]
+        kern = _KERNELS
+        assert kern is not None
+        if self.four_bit:
+            kern.mm_q4(  # type: ignore[attr-defined]
+                x.data_ptr(),
+                m,
+                k,
+                self.codes.data_ptr(),
+                self.scale.data_ptr(),
+                self.offset.data_ptr(),
+                half,
+                n,
+                dst,
+                ldo,
+            )
+        else:
+            kern.mm_q8(  # type: ignore[attr-defined]
+                x.data_ptr(),
+                m,
+                k,
+                self.codes.data_ptr(),
+                self.scale.data_ptr(),
+                half,
+                self.group,
+                n,
+                dst,
+                ldo,
+            )
+
+    def rows_dequantized(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 rows ``rows`` (indices into the segment) of the weight."""
+        if self.four_bit:
+            packed = self.codes[rows]
+            lo, hi = packed & 0x0F, packed >> 4
+            k = packed.shape[1] * 2
+            codes = torch.cat([lo.view(-1, k // 32, 16), hi.view(-1, k // 32, 16)], dim=2)
+            offset: torch.Tensor | float = self.offset[rows].float()[..., None]
+        else:
+            k = self.codes.shape[1]
+            codes = self.codes[rows].view(-1, k // self.group, self.group)
+            offset = 0.0
+        w = codes.float() * self.scale[rows].float()[..., None] + offset
+        return w.view(-1, k)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.rows_dequantized(torch.arange(self.rows))
+
+
+def _exact_half(*tensors: torch.Tensor) -> bool:
+    return all(bool((t.half().float() == t).all()) for t in tensors)
+
+
+Part = tuple[int, T, torch.Tensor, torch.Tensor, torch.Tensor]  # start, type, codes, scale, offset
+
+
+def _segment(
+    start: int, qtype: T, codes: torch.Tensor, scale: torch.Tensor, off: torch.Tensor
+) -> Segment:
+    rows, k = codes.shape
+    if qtype in FOUR_BIT:
+        scale, off = scale[:, ::2].contiguous(), off[:, ::2].contiguous()
+        if qtype == T.Q4_0:  # signed codes q - 8 -> unsigned q, offset -8 * scale
+            codes, off = codes + 8, off - 8 * scale
+        u = codes.to(torch.uint8).view(rows, k // 32, 2, 16)
+        packed = (u[:, :, 0] | (u[:, :, 1] << 4)).reshape(rows, k // 2)
+        dtype = torch.float16 if _exact_half(scale, off) else torch.float32
+        return Segment(start, rows, True, packed, scale.to(dtype), off.to(dtype), 32)
+    group = 32 if qtype == T.Q8_0 else 16
+    if group == 32:
+        scale = scale[:, ::2].contiguous()
+    dtype = torch.float16 if _exact_half(scale) else torch.float32
+    return Segment(
+        start, rows, False, codes.contiguous(), scale.to(dtype), scale.new_empty(0), group
+    )
+
+
+def pack(parts: list[Part]) -> list[Segment]:
+    """Segments of ``parts`` (sorted by start), merging neighbours of the same layout."""
+    segments: list[Segment] = []
+    for part in parts:
+        seg = _segment(*part)
+        prev = segments[-1] if segments else None
+        if (
+            prev is not None
+            and prev.start + prev.rows == seg.start
+            and (prev.four_bit, prev.group, prev.scale.dtype)
+            == (seg.four_bit, seg.group, seg.scale.dtype)
+        ):
+            segments[-1] = Segment(
+                prev.start,
+                prev.rows + seg.rows,
+                seg.four_bit,
+                torch.cat([prev.codes, seg.codes]),
+                torch.cat([prev.scale, seg.scale]),
+                torch.cat([prev.offset, seg.offset]),
+                seg.group,
+            )
+        else:
+            segments.append(seg)
+    return segments
