@@ -1,5 +1,6 @@
-"""4-bit GPTQ and AWQ checkpoints (int4.py; kernels/ for CUDA), a quantization method of
-minisgl/layers/quantization.py registered for ``quant_method`` gptq and awq.
+"""Quantized checkpoints, methods of minisgl/layers/quantization.py: 4-bit GPTQ and AWQ
+(int4.py; kernels/ for CUDA), registered for ``quant_method`` gptq and awq, and FP8 (fp8.py),
+registered for fp8 and compressed-tensors.
 
 Registering imports nothing heavy: the method's module (torch) is imported when a
 checkpoint asks for it.
@@ -25,5 +26,15 @@ def parse(config: Mapping[str, object]) -> QuantMethod:
     return parse_int4(config)
 
 
+def parse_fp8(config: Mapping[str, object]) -> QuantMethod:
+    from minisgl.extensions.quantization import fp8
+
+    if str(config.get("quant_method", "")).lower() == "fp8":
+        return fp8.parse_fp8(config)
+    return fp8.parse_compressed_tensors(config)
+
+
 register_quant_method("gptq", parse)
 register_quant_method("awq", parse)
+register_quant_method("fp8", parse_fp8)
+register_quant_method("compressed-tensors", parse_fp8)
