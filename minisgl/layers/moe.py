@@ -5,7 +5,10 @@ by expert id: ``w13`` [E, 2 * I/tp, H] holds each expert's gate rows then up row
 [E, H, I/tp]. Tensor parallelism splits every expert's intermediate dimension across ranks
 (like a ColumnParallel gate_up followed by a RowParallel down) and all-reduces the output.
 The router is replicated. CUDA tensors go through the fused Triton kernel, others through
-the torch reference below.
+the torch reference below. A quantized checkpoint whose method loads experts
+(layers/quantization.py's ExpertQuantMethod: FP8) creates w13 and w2 and their scales and
+leaves them float once loaded (``finish_loading``); their loaders below shard every tensor
+by its own width along the intermediate dimension (scales in whole blocks).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.linear import ReplicatedLinear
+from minisgl.layers.quantization import ExpertQuantMethod
 from minisgl.models.config import ModelConfig
 
 # Shard id meaning "the packed tensor of all experts" (transformers 5 fused checkpoints);
@@ -73,6 +77,9 @@ def moe_reference(
 
 
 class SparseMoE(nn.Module):
+    w13: nn.Parameter
+    w2: nn.Parameter
+
     def __init__(self, cfg: ModelConfig, tp: TPInfo) -> None:
         super().__init__()
         inter = cfg.moe_intermediate_size
@@ -85,29 +92,54 @@ class SparseMoE(nn.Module):
         self.local_inter = inter // tp.size
         hidden, e, li = cfg.hidden_size, cfg.num_experts, self.local_inter
         self.gate = ReplicatedLinear(hidden, e)  # router; HF name mlp.gate.weight
-        self.w13 = nn.Parameter(torch.empty(e, 2 * li, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(e, hidden, li), requires_grad=False)
-        self.w13.weight_loader = self.load_w13  # type: ignore[attr-defined]
-        self.w2.weight_loader = self.load_w2  # type: ignore[attr-defined]
+        quant = cfg.quant if isinstance(cfg.quant, ExpertQuantMethod) else None
+        self.quant = quant
+        for name, shape, load in (
+            ("w13", (e, 2 * li, hidden), self.load_w13),
+            ("w2", (e, hidden, li), self.load_w2),
+        ):
+            if quant is not None:
+                quant.create_expert_weights(self, name, shape, load)
+                continue
+            p = nn.Parameter(torch.empty(shape), requires_grad=False)
+            p.weight_loader = load  # type: ignore[attr-defined]
+            self.register_parameter(name, p)
 
-    def _inter_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        return t.narrow(dim, self.tp.rank * self.local_inter, self.local_inter)
+    def _inter_slice(self, t: torch.Tensor, dim: int, width: int) -> torch.Tensor:
+        """This rank's ``width`` of ``t``'s intermediate dimension ``dim``; a tensor only
+        ``width`` wide there (one scale per row) is every rank's."""
+        if t.shape[dim] == width:
+            return t
+        return t.narrow(dim, self.tp.rank * width, width)
 
-    def load_w13(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        li = self.local_inter
+    def load_w13(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = ALL_EXPERTS
+    ) -> None:
+        li = param.shape[1] // 2
         if shard_id == ALL_EXPERTS:  # [E, 2I, H]: gate rows then up rows of every expert
             gate, up = loaded.chunk(2, dim=1)
-            param.data[:, :li].copy_(self._inter_slice(gate, 1))
-            param.data[:, li:].copy_(self._inter_slice(up, 1))
+            param.data[:, :li].copy_(self._inter_slice(gate, 1, li))
+            param.data[:, li:].copy_(self._inter_slice(up, 1, li))
             return
         expert, which = divmod(shard_id, 2)  # one expert's gate_proj or up_proj [I, H]
-        param.data[expert, which * li : (which + 1) * li].copy_(self._inter_slice(loaded, 0))
+        param.data[expert, which * li : (which + 1) * li].copy_(self._inter_slice(loaded, 0, li))
 
-    def load_w2(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def load_w2(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = ALL_EXPERTS
+    ) -> None:
+        width = param.shape[2]  # inputs, or scale blocks of them
         if shard_id == ALL_EXPERTS:  # [E, H, I]
-            param.data.copy_(self._inter_slice(loaded, 2))
+            param.data.copy_(self._inter_slice(loaded, 2, width))
         else:  # one expert's down_proj [H, I]
-            param.data[shard_id].copy_(self._inter_slice(loaded, 1))
+            param.data[shard_id].copy_(self._inter_slice(loaded, 1, width))
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """Called once the checkpoint is loaded (models/loader.py): quantized experts become
+        float weights in ``dtype``."""
+        if self.quant is not None:
+            for name in ("w13", "w2"):
+                self.quant.finish_expert_weights(self, name, dtype)
+            self.quant = None
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce."""

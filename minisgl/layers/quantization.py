@@ -14,9 +14,16 @@ it to:
    dequantizes once at load);
 3. compute the layer's product (``apply``).
 
+A method may also load mixture-of-experts weights (`ExpertQuantMethod`, layers/moe.py; a
+method without it is refused for MoE models) and write random weights in its checkpoint's
+form for ``--load-format dummy`` (`DummyQuantizer`, models/loader.py). A tensor that a layer
+needs and the checkpoint lacks fails at ``finish_loading`` with `MissingTensor`, which the
+loader names by its checkpoint name.
+
 A float checkpoint has no method. Methods come from extensions, registered when they are
-loaded (minisgl/extensions/quantization: 4-bit GPTQ and AWQ); nothing here imports torch at
-run time, since processes that never compute (the API server) load the extensions too.
+loaded (minisgl/extensions/quantization: 4-bit GPTQ and AWQ, FP8); nothing here imports
+torch at run time, since processes that never compute (the API server) load the extensions
+too.
 """
 
 from __future__ import annotations
@@ -74,6 +81,41 @@ class EmbeddingQuantMethod(QuantMethod, Protocol):
         """Rows ``ids`` (local to the layer) of its weight, in the dtype `finish_loading`
         was given."""
         ...
+
+
+@runtime_checkable
+class ExpertQuantMethod(QuantMethod, Protocol):
+    """A method that also loads the packed expert weights of layers/moe.py."""
+
+    def create_expert_weights(
+        self, moe: nn.Module, name: str, shape: tuple[int, int, int], load_shard: ShardFn
+    ) -> None:
+        """Register ``moe``'s load-time parameters of the expert weight ``name`` (this rank's
+        [experts, out, in]), the first of them ``name`` itself, each with a ``weight_loader``
+        ending in ``load_shard`` (shard ids as layers/moe.py's loaders take them)."""
+        ...
+
+    def finish_expert_weights(self, moe: nn.Module, name: str, dtype: torch.dtype) -> None:
+        """After loading: ``name`` becomes a float parameter in ``dtype``."""
+        ...
+
+
+@runtime_checkable
+class DummyQuantizer(Protocol):
+    """A method that writes random float weights in its checkpoint's form (--load-format dummy)."""
+
+    def quantize(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A linear weight ``name`` ([out, in]) -> the checkpoint tensors that store it."""
+        ...
+
+
+class MissingTensor(ValueError):
+    """``finish_loading``: the checkpoint lacks ``tensor`` (e.g. ``weight_scale_inv``) of shard
+    ``shard`` of the layer's parameter ``param``; the message says why it is needed."""
+
+    def __init__(self, param: str, shard: int, tensor: str, why: str) -> None:
+        super().__init__(why)
+        self.param, self.shard, self.tensor = param, shard, tensor
 
 
 # A method's parser: ``quantization_config`` -> the method, or ValueError naming the field.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, overload
 
-from minisgl.layers.quantization import QuantMethod, parse_quant_config
+from minisgl.layers.quantization import ExpertQuantMethod, QuantMethod, parse_quant_config
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -98,7 +98,7 @@ class ModelConfig:
         max_pos = int(text.get("max_position_embeddings", 2048))
         quant = parse_quant_config(d.get("quantization_config") or text.get("quantization_config"))
         num_experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
-        if quant is not None and num_experts:
+        if quant is not None and num_experts and not isinstance(quant, ExpertQuantMethod):
             raise ValueError(
                 f"quantization_config.quant_method={quant.name!r} is not supported for "
                 "mixture-of-experts models"

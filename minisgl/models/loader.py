@@ -18,7 +18,8 @@ from torch import nn
 
 from minisgl.layers.embedding import VocabParallelEmbedding
 from minisgl.layers.linear import ShardedLinear
-from minisgl.layers.moe import ALL_EXPERTS
+from minisgl.layers.moe import ALL_EXPERTS, SparseMoE
+from minisgl.layers.quantization import DummyQuantizer, MissingTensor, parse_quant_config
 
 # checkpoint sub-name -> (our parameter sub-name, shard index inside the merged parameter)
 _MERGED = {
@@ -33,7 +34,11 @@ _SKIP_RE = re.compile(r"rotary_emb\.inv_freq|\.attn\.bias$|masked_bias")
 # MoE experts (layers/moe.py packs them): one tensor per expert and projection as in
 # Qwen3-MoE hub checkpoints and transformers' default save, or transformers 5's packed
 # [E, 2I, H] gate_up_proj / [E, H, I] down_proj (save_pretrained(save_original_format=False)).
-_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# A quantized expert's other tensors (e.g. weight_scale_inv) go to w13_<name> / w2_<name>.
+_EXPERT_RE = re.compile(
+    r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale_inv|weight_scale|input_scale)$"
+)
 _PACKED_EXPERTS_RE = re.compile(r"\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
 
 
@@ -66,19 +71,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         target, shard = _map_name(name, params)
         if target is None:
             continue
-        param = params[target]
-        loader = getattr(param, "weight_loader", None)
-        # Quantized tensors (layers/quantization.py) keep their dtype: their loader converts.
-        raw = getattr(param, "raw_checkpoint", False)
-        tensor = tensor.to(device=param.device, dtype=None if raw else param.dtype)
-        if loader is not None:
-            loader(param, tensor, shard)
-        else:
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
-                )
-            param.data.copy_(tensor)
+        _load_tensor(name, tensor, params[target], shard)
         loaded.add(f"{target}#{shard}")
         del tensor
     missing = [
@@ -95,6 +88,26 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     finish_loading(model)
 
 
+def _load_tensor(name: str, tensor: torch.Tensor, param: nn.Parameter, shard: int) -> None:
+    loader = getattr(param, "weight_loader", None)
+    # Quantized tensors (layers/quantization.py) keep their dtype: their loader converts.
+    raw = getattr(param, "raw_checkpoint", False)
+    if not raw and tensor.is_floating_point() and tensor.dtype.itemsize == 1:
+        raise ValueError(f"{name}: a {tensor.dtype} tensor where this engine loads float ones")
+    tensor = tensor.to(device=param.device, dtype=None if raw else param.dtype)
+    if loader is None:
+        if param.shape != tensor.shape:
+            raise ValueError(
+                f"shape mismatch for {name}: {tuple(tensor.shape)} vs {tuple(param.shape)}"
+            )
+        param.data.copy_(tensor)
+        return
+    try:
+        loader(param, tensor, shard)
+    except ValueError as e:  # a quantized tensor this engine does not run: name it
+        raise ValueError(f"{name}: {e}") from None
+
+
 def finish_loading(model: nn.Module) -> None:
     """Layers of a quantized checkpoint convert their weights once loaded (e.g. int4:
     dequantize on CPU, repack for the kernel on CUDA), in the dtype of the model's float
@@ -106,9 +119,13 @@ def finish_loading(model: nn.Module) -> None:
     ]
     dtype = floats[0] if floats else torch.get_default_dtype()
     hooked = False
-    for module in model.modules():
-        if isinstance(module, (ShardedLinear, VocabParallelEmbedding)) and module.quant:
-            module.finish_loading(dtype)
+    for name, module in model.named_modules():
+        if isinstance(module, (ShardedLinear, SparseMoE, VocabParallelEmbedding)) and module.quant:
+            try:
+                module.finish_loading(dtype)
+            except MissingTensor as e:
+                tensor = f"{_checkpoint_name(name, e.param, e.shard)}.{e.tensor}"
+                raise ValueError(f"checkpoint tensor {tensor} is missing: {e}") from None
             hooked = True
     if hooked and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the unpacked load-time tensors, before the KV pool sizing
@@ -131,15 +148,26 @@ def _map_name(name: str, params: dict[str, nn.Parameter]) -> tuple[str | None, i
 def _map_expert(name: str) -> tuple[str, int] | None:
     m = _EXPERT_RE.search(name)
     if m:
-        e, proj = int(m.group(1)), m.group(2)
-        base = name[: m.start()]
-        if proj == "down_proj":
-            return f"{base}.w2", e
-        return f"{base}.w13", 2 * e + (proj == "up_proj")
+        e, proj, tensor = int(m.group(1)), m.group(2), m.group(3)
+        ours = "w2" if proj == "down_proj" else "w13"
+        target = f"{name[: m.start()]}.{ours}" + ("" if tensor == "weight" else f"_{tensor}")
+        return target, e if proj == "down_proj" else 2 * e + (proj == "up_proj")
     m = _PACKED_EXPERTS_RE.search(name)
     if m:
         return f"{name[: m.start()]}.{'w13' if m.group(1) == 'gate_up_proj' else 'w2'}", ALL_EXPERTS
     return None
+
+
+def _checkpoint_name(module: str, param: str, shard: int) -> str:
+    """The checkpoint's name of shard ``shard`` of ``module``'s ``param`` (_map_name's
+    inverse), e.g. model.layers.0.self_attn.k_proj or model.layers.1.mlp.experts.3.up_proj."""
+    if param == "w2":
+        return f"{module}.experts.{shard}.down_proj"
+    if param == "w13":
+        return f"{module}.experts.{shard // 2}.{('gate_proj', 'up_proj')[shard % 2]}"
+    base, _, ours = module.rpartition(".")
+    names = [k for k, v in _MERGED.items() if v == (ours, shard)]
+    return f"{base}.{names[0]}" if names else module
 
 
 def iter_dummy_weights(
@@ -149,13 +177,16 @@ def iter_dummy_weights(
     ``hf_config`` has, at its full (unsharded) shape: norms 1, biases 0, the rest
     normal(0, 0.02) (finite logits at any depth), each drawn from a seed of its own name.
     Loaded through load_weights, every tensor-parallel rank takes its shard of one and the
-    same model, so TP=2 runs the TP=1 model."""
+    same model, so TP=2 runs the TP=1 model. A quantized config whose method writes its own
+    form (layers/quantization.py's DummyQuantizer: FP8) gets its linear weights quantized,
+    experts one tensor per expert as hub checkpoints store them."""
     import zlib
 
     import transformers
 
     fields = dict(hf_config)
     config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    quant = parse_quant_config(hf_config.get("quantization_config"))
     with torch.device("meta"):  # names and shapes only: no memory
         hf_model = transformers.AutoModelForCausalLM.from_config(config)
     for name, p in hf_model.named_parameters():
@@ -166,4 +197,27 @@ def iter_dummy_weights(
         else:
             gen = torch.Generator(device=device).manual_seed(seed + zlib.crc32(name.encode()))
             t = torch.empty(p.shape, device=device, dtype=dtype).normal_(0.0, 0.02, generator=gen)
+        if isinstance(quant, DummyQuantizer) and _PROJ_RE.search(name):
+            for one, w in _per_expert(name, t):
+                yield from quant.quantize(one, w)
+        else:
+            yield name, t
+
+
+_PROJ_RE = re.compile(r"_proj(\.weight)?$")  # linear weights: attention, MLP, experts
+
+
+def _per_expert(name: str, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Packed experts (transformers 5) -> one tensor per expert and projection."""
+    m = _PACKED_EXPERTS_RE.search(name)
+    if m is None:
         yield name, t
+        return
+    base = name[: m.start()]
+    for e in range(t.shape[0]):
+        if m.group(1) == "down_proj":
+            yield f"{base}.experts.{e}.down_proj.weight", t[e]
+            continue
+        gate, up = t[e].chunk(2, dim=0)
+        yield f"{base}.experts.{e}.gate_proj.weight", gate
+        yield f"{base}.experts.{e}.up_proj.weight", up

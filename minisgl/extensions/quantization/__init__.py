@@ -1,6 +1,7 @@
-"""Quantization methods of minisgl/layers/quantization.py: 4-bit GPTQ and AWQ checkpoints
-(int4.py; kernels/ for CUDA), registered for ``quant_method`` gptq and awq, and GGUF blocks
-kept quantized on CPU (gguf.py; csrc/gguf_cpu.c), registered as ``gguf``.
+"""Quantized checkpoints, methods of minisgl/layers/quantization.py: 4-bit GPTQ and AWQ
+(int4.py; kernels/ for CUDA), registered for ``quant_method`` gptq and awq; FP8 (fp8.py),
+registered for fp8 and compressed-tensors; and GGUF blocks kept quantized on CPU (gguf.py,
+csrc/gguf_cpu.c), registered as ``gguf``.
 
 Registering imports nothing heavy: the method's module (torch) is imported when a
 checkpoint asks for it.
@@ -32,6 +33,16 @@ def parse_gguf(config: Mapping[str, object]) -> QuantMethod:
     return parse_gguf_method(config)
 
 
+def parse_fp8(config: Mapping[str, object]) -> QuantMethod:
+    from minisgl.extensions.quantization import fp8
+
+    if str(config.get("quant_method", "")).lower() == "fp8":
+        return fp8.parse_fp8(config)
+    return fp8.parse_compressed_tensors(config)
+
+
 register_quant_method("gptq", parse)
 register_quant_method("awq", parse)
 register_quant_method("gguf", parse_gguf)
+register_quant_method("fp8", parse_fp8)
+register_quant_method("compressed-tensors", parse_fp8)

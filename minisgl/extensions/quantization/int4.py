@@ -65,7 +65,7 @@ class Int4Method:
         return int4_forward(layer, x, bias)
 
 
-def _int(value: object) -> int:
+def config_int(value: object) -> int:
     """A number of the config (JSON: int, float or str); 0 for anything else."""
     return int(value) if isinstance(value, (int, float, str)) else 0
 
@@ -74,10 +74,10 @@ def parse_int4(d: Mapping[str, object]) -> Int4Method:
     """The method of a GPTQ or AWQ ``quantization_config``. Raises ValueError naming the
     field of any setting this engine does not run."""
     method = str(d.get("quant_method", "")).lower()
-    bits = _int(d.get("bits", d.get("w_bit")) or 0)
+    bits = config_int(d.get("bits", d.get("w_bit")) or 0)
     if bits != 4:
         raise ValueError(f"quantization_config.bits={bits} is not supported (4-bit only)")
-    group = _int(d.get("group_size", d.get("q_group_size")) or -1)
+    group = config_int(d.get("group_size", d.get("q_group_size")) or -1)
     if group != -1 and (group <= 0 or group % 8):
         raise ValueError(f"quantization_config.group_size={group} is not supported")
     if method == "awq":
@@ -181,7 +181,6 @@ def add_int4_params(
         "scales": lambda t: t.to(torch.float32).t(),
     }
     for name, p in (("qweight", qweight), ("qzeros", qzeros), ("scales", scales)):
-        layer.register_parameter(name, p)
         convert = converters[name]
 
         def loader(
@@ -192,13 +191,25 @@ def add_int4_params(
         ) -> None:
             load_shard(param, convert(loaded), shard)
 
+        register_raw(layer, name, p, loader)
+    if quant.name == "gptq":  # gptq_v2 exports may omit g_idx
+        register_raw(layer, "g_idx", g_idx, lambda _p, t, _s: check_g_idx(t, group), True)
+
+
+RawLoader = Callable[[nn.Parameter, torch.Tensor, int], None]
+
+
+def register_raw(
+    layer: nn.Module, name: str, p: nn.Parameter, loader: RawLoader | None, optional: bool = False
+) -> None:
+    """Register a load-time parameter whose ``loader`` takes the checkpoint tensor as stored
+    (models/loader.py casts nothing: the loader converts); ``optional``: the checkpoint may
+    lack it (no loader: it never comes from the checkpoint)."""
+    layer.register_parameter(name, p)
+    if loader is not None:
         p.weight_loader = loader  # type: ignore[attr-defined]
-        p.raw_checkpoint = True  # type: ignore[attr-defined]  # loader casts, not load_weights
-    if quant.name == "gptq":
-        layer.register_parameter("g_idx", g_idx)
-        g_idx.weight_loader = lambda _p, t, _s=0: check_g_idx(t, group)  # type: ignore[attr-defined]
-        g_idx.raw_checkpoint = True  # type: ignore[attr-defined]
-        g_idx.optional = True  # type: ignore[attr-defined]  # gptq_v2 exports may omit it
+    p.raw_checkpoint = True  # type: ignore[attr-defined]
+    p.optional = optional or loader is None  # type: ignore[attr-defined]
 
 
 def check_g_idx(g_idx: torch.Tensor, group: int) -> None:

@@ -1,0 +1,270 @@
+"""FP8 checkpoints, dense layers and MoE experts, dequantized once at load.
+
+Formats (Hugging Face ``quantization_config``), for a linear y = x W^T with W [N, K] and a
+``weight`` in e4m3 (float8_e4m3fn):
+
+* ``quant_method: fp8`` (transformers' fine-grained FP8: Qwen3-FP8, DeepSeek-V3):
+  ``weight_block_size: [bn, bk]`` and ``weight_scale_inv`` [N/bn, K/bk]; despite the name,
+  W = weight * weight_scale_inv of its block. Without ``weight_block_size``, one scale per
+  tensor. ``activation_scheme``: dynamic, or static with an ``input_scale`` per layer.
+* compressed-tensors, ``format: float-quantized``: ``weight_scale`` [N, 1] (weights'
+  ``strategy: channel``) or [1] (``tensor``), W = weight * weight_scale; input activations
+  dynamic (per token), or static (``input_scale`` tensors).
+
+A layer is FP8 when its weight is e4m3, and then needs its scale; a layer the checkpoint keeps
+in float (``modules_to_not_convert``, ``ignore``) loads as in a float checkpoint. Loading
+keeps every tensor N-major at full row resolution, the weight's values in the compute dtype
+(exact: every e4m3 value is a bf16, fp16 and fp32 value) and each block's scale repeated
+over its rows, so the layers' own sharding (merged q/k/v and gate/up, column- and
+row-parallel TP, expert slices) applies unchanged; row-parallel ranks and the experts'
+down projections split K along whole scale blocks. ``finish_loading`` multiplies the scales
+in (float32 products, rounded once to the compute dtype) and the layer runs the float path,
+on every device for now: this saves no memory over a bf16 checkpoint (CPU and CUDA hold the
+dequantized weights), until FP8 kernels come. Activations are not quantized: static input
+scales must be in the file but are not used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minisgl.extensions.quantization.int4 import config_int, register_raw
+from minisgl.layers.quantization import MissingTensor, ShardFn
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Fp8Method:
+    """FP8 weights (a layers/quantization.py QuantMethod, ExpertQuantMethod, DummyQuantizer)."""
+
+    name: str  # the checkpoint's quant_method: "fp8" or "compressed-tensors"
+    scale_name: str  # "weight_scale_inv" (fp8) or "weight_scale" (compressed-tensors)
+    block: tuple[int, int] | None = None  # (rows, inputs) per scale; None: per channel/tensor
+    per_channel: bool = False  # without block: one scale per output row, else per tensor
+    static_field: str = ""  # the config field asking for static input scales ("": dynamic)
+
+    def create_weights(
+        self, layer: nn.Module, out_features: int, in_local: int, in_full: int, load_shard: ShardFn
+    ) -> None:
+        add_fp8_params(layer, "weight", (out_features, in_local), self, load_shard)
+
+    def finish_loading(self, layer: nn.Module, dtype: torch.dtype) -> bool:
+        finish_fp8(layer, "weight", self, dtype)
+        return False
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Not reached while finish_loading leaves float weights (the layer's float path runs).
+        return torch.nn.functional.linear(x, layer.get_parameter("weight"), bias)
+
+    def create_expert_weights(
+        self, moe: nn.Module, name: str, shape: tuple[int, int, int], load_shard: ShardFn
+    ) -> None:
+        add_fp8_params(moe, name, shape, self, load_shard)
+
+    def finish_expert_weights(self, moe: nn.Module, name: str, dtype: torch.dtype) -> None:
+        finish_fp8(moe, name, self, dtype)
+
+    def quantize(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Max-abs scaling per block, row or tensor (--load-format dummy)."""
+        w = weight.float()
+        n, k = w.shape
+        if self.block is not None:
+            bn, bk = self.block
+            try:
+                check_blocks(self, (n, k), k)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+            amax = w.unflatten(1, (k // bk, bk)).unflatten(0, (n // bn, bn)).abs().amax((1, 3))
+        else:
+            amax = w.abs().amax(1, keepdim=True) if self.per_channel else w.abs().amax().view(1)
+        scale = amax.clamp_min(1e-12) / E4M3_MAX
+        q = (w / _per_element(scale, self.block)).to(E4M3)
+        out = [(name, q), (name.removesuffix("weight") + self.scale_name, scale)]
+        if self.static_field:
+            out.append((name.removesuffix("weight") + "input_scale", torch.ones(1)))
+        return out
+
+
+def _per_element(scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """Scales [N/bn, K/bk], [N, 1] or [1] -> a tensor that broadcasts over the weight."""
+    if block is None:
+        return scale
+    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+
+
+# ------------------------------------------------------------------ configs
+def _section(value: object, field: str) -> Mapping[str, object]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{field}={value!r} is not supported (a mapping)")
+    return value
+
+
+def parse_fp8(d: Mapping[str, object]) -> Fp8Method:
+    """The method of a ``quant_method: fp8`` config; ValueError naming any field it does not run."""
+    fmt = str(d.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported (e4m3 only)")
+    scheme = str(d.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"quantization_config.activation_scheme={scheme!r} is not supported")
+    size = d.get("weight_block_size")
+    if size is not None and not (
+        isinstance(size, list) and len(size) == 2 and all(config_int(b) > 0 for b in size)
+    ):
+        raise ValueError(f"quantization_config.weight_block_size={size!r} is not supported")
+    block = (config_int(size[0]), config_int(size[1])) if isinstance(size, list) else None
+    static = "quantization_config.activation_scheme='static'" if scheme == "static" else ""
+    return Fp8Method("fp8", "weight_scale_inv", block, static_field=static)
+
+
+def _expect(section: Mapping[str, object], field: str, **want: object) -> None:
+    for key, value in want.items():
+        got = section.get(key, True if key == "symmetric" else None)
+        if got != value:
+            raise ValueError(f"{field}.{key}={got!r} is not supported ({value!r} only)")
+
+
+def parse_compressed_tensors(d: Mapping[str, object]) -> Fp8Method:
+    """The method of a compressed-tensors ``float-quantized`` config (FP8 weights per channel
+    or per tensor); ValueError naming any field it does not run."""
+    root = "quantization_config"
+    _expect(d, root, format="float-quantized")
+    groups = _section(d.get("config_groups"), f"{root}.config_groups")
+    strategies: set[str] = set()
+    static = ""
+    for key, value in groups.items():
+        field = f"{root}.config_groups.{key}"
+        weights = _section(_section(value, field).get("weights"), f"{field}.weights")
+        _expect(weights, f"{field}.weights", num_bits=8, type="float", symmetric=True)
+        strategy = str(weights.get("strategy"))
+        if strategy not in ("channel", "tensor"):
+            raise ValueError(f"{field}.weights.strategy={strategy!r} is not supported")
+        strategies.add(strategy)
+        acts = _section(value, field).get("input_activations")
+        if acts is not None:
+            acts = _section(acts, f"{field}.input_activations")
+            _expect(acts, f"{field}.input_activations", num_bits=8, type="float")
+            if not acts.get("dynamic"):
+                static = f"{field}.input_activations.dynamic=false"
+    if len(strategies) != 1:
+        raise ValueError(f"{root}.config_groups: weights.strategy {sorted(strategies)} (one only)")
+    return Fp8Method(
+        "compressed-tensors",
+        "weight_scale",
+        per_channel="channel" in strategies,
+        static_field=static,
+    )
+
+
+# ------------------------------------------------------------------ the layer's parameters
+def _names(weight: str, method: Fp8Method) -> tuple[str, str, str]:
+    """The load-time parameters beside ``weight``: the e4m3 rows' shard ids, the scales and
+    the input scales (checkpoint suffixes; an expert weight's are prefixed with its name)."""
+    prefix = "" if weight == "weight" else f"{weight}_"
+    return prefix + "fp8_shard", prefix + method.scale_name, prefix + "input_scale"
+
+
+def check_blocks(method: Fp8Method, shape: tuple[int, ...], in_local: int) -> None:
+    if method.block is None:
+        return
+    bn, bk = method.block
+    n, k = shape[-2:]
+    if n % bn or k % bk or in_local % bk:
+        raise ValueError(
+            f"quantization_config.weight_block_size=[{bn}, {bk}] does not split its shape "
+            f"{tuple(shape)} ({in_local} inputs per tensor-parallel rank) into whole blocks"
+        )
+
+
+def add_fp8_params(
+    module: nn.Module, weight: str, shape: tuple[int, ...], method: Fp8Method, load_shard: ShardFn
+) -> None:
+    """Register ``weight`` (``shape`` [..., N, K_local], the compute dtype) and its scales
+    (float32) on ``module``; ``fp8_shard`` [..., N, 1] holds each e4m3 row's shard id (-1: a
+    float row), so finish_fp8 knows which rows need a scale and which per-tensor one."""
+    shard_name, scale_name, input_name = _names(weight, method)
+    *lead, n, k = shape
+    full = torch.full
+    rows = nn.Parameter(full((*lead, n, 1), -1, dtype=torch.int32), requires_grad=False)
+    table = (math.prod(lead) * n,)  # per-tensor values, indexed by shard id (< rows)
+    if method.block is not None:
+        scale_shape: tuple[int, ...] = (*lead, n, k // method.block[1])
+    else:
+        scale_shape = (*lead, n, 1) if method.per_channel else table
+    scales = nn.Parameter(full(scale_shape, math.nan), requires_grad=False)
+    w = nn.Parameter(torch.empty(shape), requires_grad=False)
+
+    def load_weight(param: nn.Parameter, t: torch.Tensor, shard: int = 0) -> None:
+        if t.dtype == E4M3:
+            if shard < 0:
+                raise ValueError("float8 experts load from one tensor per expert, not packed")
+            check_blocks(method, tuple(t.shape), shape[-1])
+            load_shard(rows, full((*t.shape[:-1], 1), shard, dtype=torch.int32), shard)
+        elif not t.is_floating_point() or t.dtype.itemsize < 2:
+            raise ValueError(
+                f"{t.dtype} weights are not supported (quantization_config.quant_method="
+                f"{method.name!r} runs float8_e4m3fn weights, fmt 'e4m3', and float ones)"
+            )
+        load_shard(param, t.to(param.dtype), shard)
+
+    def load_scale(param: nn.Parameter, t: torch.Tensor, shard: int = 0) -> None:
+        if param.dim() == 1:
+            _load_per_tensor(param, t, shard)
+            return
+        t = t.float().reshape(-1, 1) if t.dim() == 1 else t.float()
+        if method.block is not None:
+            t = t.repeat_interleave(method.block[0], dim=-2)
+        try:
+            load_shard(param, t, shard)
+        except RuntimeError as e:  # a shape that is not this format's
+            raise ValueError(f"{scale_name} does not fit {method.name!r} scales: {e}") from None
+
+    register_raw(module, weight, w, load_weight)
+    register_raw(module, shard_name, rows, None)
+    register_raw(module, scale_name, scales, load_scale, optional=True)
+    if method.static_field:
+        inputs = nn.Parameter(full(table, math.nan), requires_grad=False)
+        register_raw(module, input_name, inputs, _load_per_tensor, optional=True)
+
+
+def _load_per_tensor(param: nn.Parameter, t: torch.Tensor, shard: int = 0) -> None:
+    if t.numel() != 1 or shard < 0:
+        raise ValueError(f"one value per tensor expected, got shape {tuple(t.shape)}")
+    param.data[shard] = t.float().reshape(())
+
+
+def finish_fp8(module: nn.Module, weight: str, method: Fp8Method, dtype: torch.dtype) -> None:
+    """Multiply every e4m3 row by its scales; ``weight`` becomes a float parameter in
+    ``dtype``. MissingTensor for e4m3 rows without their scale (or static input scale)."""
+    shard_name, scale_name, input_name = _names(weight, method)
+    w = module.get_parameter(weight).data.to(dtype)
+    shard = module.get_parameter(shard_name).data[..., 0]  # [..., N]
+    fp8 = shard >= 0
+    scales = module.get_parameter(scale_name).data
+    if scales.dim() == 1:  # per tensor: each row reads its shard's value
+        scales = scales[shard.clamp(min=0)].unsqueeze(-1)
+    # (the checkpoint's tensor, its values per row, the config field that asks for it)
+    needs = [(method.scale_name, scales, f"quantization_config.quant_method={method.name!r}")]
+    if method.static_field:
+        inputs = module.get_parameter(input_name).data[shard.clamp(min=0)].unsqueeze(-1)
+        needs.append(("input_scale", inputs, method.static_field))
+    for name, values, field in needs:
+        missing = fp8 & values.isnan().any(-1)
+        if bool(missing.any()):
+            why = f"{field} needs it beside a float8_e4m3fn weight"
+            raise MissingTensor(weight, int(shard[missing][0]), name, why)
+    if bool(fp8.any()):
+        scales = torch.where(fp8.unsqueeze(-1), scales, 1.0)
+        # In place, computed in float32 (the scales' dtype) and rounded once to ``dtype``.
+        w.unflatten(-1, (scales.shape[-1], -1)).mul_(scales.unsqueeze(-1))
+    for name in (weight, shard_name, scale_name, input_name):
+        if name in module._parameters:
+            delattr(module, name)
+    module.register_parameter(weight, nn.Parameter(w, requires_grad=False))
