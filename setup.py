@@ -1,8 +1,9 @@
-"""Builds the optional AVX2 kernels of GGUF-quantized CPU products (csrc/gguf_cpu.c).
+"""Builds the optional AVX2 CPU kernels of csrc/cpu_kernels.c (GGUF-quantized products, fused
+RMSNorm, RoPE and decode attention) as minisgl.kernels._cpu.
 
 Everything else is configured in pyproject.toml. The extension is optional: where it cannot
-be built (no C compiler, not x86-64), installation goes on and GGUF weights are dequantized
-at load time instead (minisgl/extensions/quantization/gguf_cpu.py).
+be built (no C compiler, not x86-64), installation goes on and the CPU path runs on torch's
+own kernels, with GGUF weights dequantized at load time (minisgl/kernels/cpu.py).
 """
 
 import platform
@@ -13,9 +14,9 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 ext_modules = (
     [
         Extension(
-            "minisgl.extensions.quantization._gguf_cpu",
-            sources=["csrc/gguf_cpu.c"],
-            extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+            "minisgl.kernels._cpu",
+            sources=["csrc/cpu_kernels.c"],
+            extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
             extra_link_args=["-fopenmp"],
             optional=True,
         )

@@ -153,5 +153,8 @@ DIST_TIMEOUT_S = number(
 )
 PDL = flag("PDL", True, "programmatic dependent launch of Triton kernels (Hopper)")
 TRITON_INTERPRET = text("TRITON_INTERPRET", "Triton's CPU interpreter (tests)", external=True)
+CPU_KERNELS = flag(
+    "CPU_KERNELS", True, "CPU: fused C kernels for add+RMSNorm, RoPE and decode attention"
+)
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, BatchLayout
+from minisgl.kernels import cpu
 
 
 @dataclass
@@ -25,6 +26,7 @@ class PaddedGroup:
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
     batch: int
     max_q: int
+    seq_lens: torch.Tensor  # [B] int64: cached tokens of each row, this step's included
 
 
 @dataclass
@@ -75,7 +77,8 @@ def _pad_group(
     in_order = rows == list(range(len(layout.req_rows)))
     tokens = None if in_order else _to_device(host_flat[host_valid], device)
     q_unpad_index = _to_device(q_unpad, device)
-    return PaddedGroup(kv_index, q_pad_index, q_unpad_index, tokens, mask.unsqueeze(1), bsz, max_q)
+    group = (kv_index, q_pad_index, q_unpad_index, tokens, mask.unsqueeze(1), bsz, max_q, seq)
+    return PaddedGroup(*group)
 
 
 class TorchBackend(AttentionBackend):
@@ -103,6 +106,12 @@ class TorchBackend(AttentionBackend):
         md = metadata
         assert isinstance(md, TorchMetadata)
         self.pool.store(layer_id, out_slots, k, v)
+        if len(md.groups) == 1 and self._decodes_on_cpu(q, md.groups[0]):
+            # One query per request: the C kernel reads the cache through the page table
+            # (no gathered, padded copy of K/V per layer).
+            g = md.groups[0]
+            k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
+            return cpu.decode_attention(q, k_cache, v_cache, g.kv_index, g.seq_lens, scale)
         num_tokens, hq, d = q.shape
         q_ext = torch.cat([q, q.new_zeros(1, hq, d)], dim=0)
         outs = [self._attend(q_ext, layer_id, g, scale) for g in md.groups]
@@ -112,6 +121,9 @@ class TorchBackend(AttentionBackend):
         for g, o in zip(md.groups, outs):
             out[g.tokens] = o
         return out
+
+    def _decodes_on_cpu(self, q: torch.Tensor, g: PaddedGroup) -> bool:
+        return g.max_q == 1 and g.tokens is None and cpu.fused_ok(q) and self.pool.dtype == q.dtype
 
     def _attend(
         self, q_ext: torch.Tensor, layer_id: int, g: PaddedGroup, scale: float

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from minisgl.distributed import TPInfo
+from minisgl.kernels import cpu
 from minisgl.layers.linear import QKVParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
@@ -59,7 +60,12 @@ class SelfAttention(nn.Module):
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary(batch.positions, q, k)
+                q, k = self.rotary(batch.positions, q, k)
+            elif cpu.fused_ok(qkv) and qkv.is_contiguous():  # q and k rotated inside qkv
+                rope = (self.rotary.cos_table, self.rotary.sin_table)
+                cpu.rope_(qkv, batch.positions, *rope, self.num_heads + self.num_kv_heads)
+            else:
+                q, k = self.rotary(batch.positions, q, k)
             out = backend.forward(
                 q, k, v, self.layer_id, batch.out_slots, batch.attn_metadata, self.scale
             )

@@ -5,6 +5,7 @@ from torch import nn
 
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.distributed.reducer import active_reducer
+from minisgl.kernels import cpu
 
 
 class RMSNorm(nn.Module):
@@ -43,6 +44,8 @@ class RMSNorm(nn.Module):
             from minisgl.kernels.norm import fused_add_rms_norm
 
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if cpu.fused_ok(x) and x.dim() == 2:
+            return cpu.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self.forward(x), x

@@ -96,14 +96,19 @@ class GGUFMethod:
         return False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # Runs once per layer and token at batch 1: kept to a few calls into torch.
         state = _state(layer)
-        xf = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out = torch.empty(xf.shape[0], state.out_features, dtype=torch.float32)
+        fp32 = x.dtype == torch.float32 and x.is_contiguous()
+        xf = x if fp32 else x.float().contiguous()
+        k = xf.shape[-1]
+        m = xf.numel() // k
+        out = torch.empty(*x.shape[:-1], state.out_features, dtype=torch.float32)
+        xp, op = xf.data_ptr(), out.data_ptr()
         for seg in state.segments:
-            seg.matmul(xf, out)
+            seg.bound(seg.rows, state.out_features, xp, m, k, op + 4 * seg.start)
         if bias is not None:
             out += bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], state.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the layer's weight, dequantized (the embedding lookup)."""

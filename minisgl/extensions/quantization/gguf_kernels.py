@@ -1,4 +1,4 @@
-"""Packed GGUF weights and the calls into the AVX2 kernels of csrc/gguf_cpu.c.
+"""Packed GGUF weights and the calls into the AVX2 kernels of csrc/cpu_kernels.c.
 
 `pack` turns a layer's loaded parts (int8 codes, scale and offset per 16 inputs) into
 segments of rows of one kind, each in its kernel's layout: 4-bit codes two to a byte with a
@@ -9,30 +9,21 @@ rounded: the segment's weight is the file's (`Segment.dequantized`, used by the 
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from gguf import GGMLQuantizationType as T
 
 from minisgl.extensions.quantization.gguf_blocks import FOUR_BIT
 from minisgl.extensions.quantization.switches import GGUF_KERNELS
-
-
-def _module() -> object | None:
-    try:  # built by `pip install` where a C compiler is found (setup.py); optional
-        return importlib.import_module("minisgl.extensions.quantization._gguf_cpu")
-    except ImportError:
-        return None
-
-
-_KERNELS = _module()
+from minisgl.kernels import cpu
 
 
 def kernels_available() -> bool:
-    """The extension is built, the CPU has AVX2, and MINISGL_GGUF_KERNELS is on."""
-    cpu = torch.backends.cpu.get_cpu_capability()
-    return _KERNELS is not None and cpu in ("AVX2", "AVX512") and GGUF_KERNELS.get()
+    """The C kernels are built, the CPU has AVX2, and MINISGL_GGUF_KERNELS is on."""
+    return cpu.built() and GGUF_KERNELS.get()
 
 
 @dataclass
@@ -46,41 +37,21 @@ class Segment:
     scale: torch.Tensor  # [rows, K / group], float16 or float32
     offset: torch.Tensor  # 4-bit: like scale; 8-bit: empty
     group: int  # inputs per scale: 32, or 16 for Q6_K
+    bound: Callable[..., None] = field(init=False, repr=False)  # the kernel, weight bound
+
+    def __post_init__(self) -> None:
+        # The weight's arguments bound once: a call passes the activations and output only.
+        half = int(self.scale.dtype == torch.float16)
+        offset = self.offset.data_ptr() if self.four_bit else 0
+        weight = (self.codes.data_ptr(), self.scale.data_ptr(), offset, half)
+        self.bound = functools.partial(cpu.module().mm, *weight, 0 if self.four_bit else self.group)
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[:, start:start + rows] = x W^T for float32 x [M, K] and out [M, N]."""
+        """out[:, start:start + rows] = x W^T for float32 x [M, K] and out [M, N], both
+        contiguous."""
         m, k = x.shape
-        half = int(self.scale.dtype == torch.float16)
         dst = out.data_ptr() + self.start * out.element_size()
-        n, ldo = self.rows, out.shape[1]
-        kern = _KERNELS
-        assert kern is not None
-        if self.four_bit:
-            kern.mm_q4(  # type: ignore[attr-defined]
-                x.data_ptr(),
-                m,
-                k,
-                self.codes.data_ptr(),
-                self.scale.data_ptr(),
-                self.offset.data_ptr(),
-                half,
-                n,
-                dst,
-                ldo,
-            )
-        else:
-            kern.mm_q8(  # type: ignore[attr-defined]
-                x.data_ptr(),
-                m,
-                k,
-                self.codes.data_ptr(),
-                self.scale.data_ptr(),
-                half,
-                self.group,
-                n,
-                dst,
-                ldo,
-            )
+        self.bound(self.rows, out.shape[1], x.data_ptr(), m, k, dst)
 
     def rows_dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 rows ``rows`` (indices into the segment) of the weight."""

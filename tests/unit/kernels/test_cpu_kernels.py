@@ -1,0 +1,64 @@
+"""The fused float32 CPU kernels (csrc/cpu_kernels.c) against torch's ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.kernels import cpu
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rotary import _rotate
+
+pytestmark = pytest.mark.skipif(not cpu.built(), reason="CPU kernels not built")
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm(rows: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, res = torch.randn(rows, 576, generator=g), torch.randn(rows, 576, generator=g)
+    w = torch.rand(576, generator=g) + 0.5
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.copy_(w)
+    total = x + res if with_residual else x
+    want = norm.forward(total)
+    out, got_total = cpu.add_rms_norm(x, res if with_residual else None, w, 1e-5)
+    assert torch.equal(got_total, total)
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
+
+
+def test_rope_in_place_equals_torch_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(0)
+    t, hq, hk, d = 5, 9, 3, 64
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+    emb = torch.randn(100, d, generator=g)
+    cos, sin = emb.cos(), emb.sin()
+    pos = torch.tensor([0, 3, 17, 42, 99])
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(t, hk, d)
+    want_q = _rotate(q, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    want_k = _rotate(k, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    v_before = qkv[:, (hq + hk) * d :].clone()
+    cpu.rope_(qkv, pos, cos, sin, hq + hk)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, (hq + hk) * d :], v_before)
+
+
+def test_decode_attention_against_sdpa() -> None:
+    g = torch.Generator().manual_seed(1)
+    hq, hk, d, slots = 8, 2, 64, 300
+    kc, vc = torch.randn(slots, hk, d, generator=g), torch.randn(slots, hk, d, generator=g)
+    lens = [1, 37, 120]
+    index = torch.zeros(3, 128, dtype=torch.int64)
+    for b, n in enumerate(lens):
+        index[b, :n] = torch.randperm(slots, generator=g)[:n]
+    q = torch.randn(3, hq, d, generator=g)
+    out = cpu.decode_attention(q, kc, vc, index, torch.tensor(lens), 0.125)
+    for b, n in enumerate(lens):
+        k = kc[index[b, :n]].transpose(0, 1)  # [hk, n, d]
+        v = vc[index[b, :n]].transpose(0, 1)
+        want = F.scaled_dot_product_attention(
+            q[b].unsqueeze(1), k, v, scale=0.125, enable_gqa=True
+        )  # [hq, 1, d]
+        torch.testing.assert_close(out[b].view(hq, d), want.squeeze(1), rtol=1e-5, atol=1e-5)
