@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -90,6 +91,11 @@ class EngineConfig:
     )
     mem_fraction_static: float = option(0.85, "GPU: share of device memory for weights + KV cache")
     cpu_kv_cache_gb: float = option(1.0, "CPU: KV pool budget in GiB")
+    cpu_threads: int | None = option(
+        None,
+        "CPU: threads of the engine, its TP ranks' together (default: the physical cores)",
+        low=1,
+    )
     # None: 1024 on CUDA (a wave of admissions rarely waits for a slot: measured on the H200
     # shared-prefix benchmark, benchmark/RESULTS.md), 256 on CPU.
     max_running_requests: int | None = option(None, "most requests decoded at once", low=1)
@@ -205,6 +211,11 @@ _CHECKS: list[tuple[str, Callable[[EngineConfig], bool], str]] = [
         "required (rank 0's host:port) when nnodes > 1",
     ),
     ("mem_fraction_static", lambda c: 0.0 < c.mem_fraction_static < 1.0, "in (0, 1)"),
+    (
+        "cpu_threads",
+        lambda c: c.cpu_threads is None or c.cpu_threads <= len(os.sched_getaffinity(0)),
+        f"at most the {len(os.sched_getaffinity(0))} CPUs this process may run on",
+    ),
 ]
 
 

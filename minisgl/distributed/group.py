@@ -51,12 +51,29 @@ def rank_device(config: EngineConfig, tp: TPInfo, device: torch.device) -> torch
     return torch.device("cuda", Topology.of(config).local_rank(tp.rank))
 
 
+def physical_cores() -> int:
+    """Cores (not hardware threads) this process may run on: a second thread of a core adds
+    little to memory-bound decoding and contends with the first."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as pkg, open(f"{topology}/core_id") as c:
+                cores.add((pkg.read().strip(), c.read().strip()))
+        except OSError:
+            return len(cpus)
+    return max(1, len(cores))
+
+
 def share_cpu_threads(config: EngineConfig, device: torch.device) -> None:
-    """On CPU the ranks of one node share its cores: give each rank its share, since
-    oversubscribed threads slow every rank down (and a collective waits for the slowest)."""
-    if device.type == "cpu" and config.tp_size > 1:
-        per_rank = (os.cpu_count() or 1) // Topology.of(config).ranks_per_node
-        torch.set_num_threads(max(1, per_rank))
+    """On CPU, set this process's torch (and OpenMP) threads once: ``--cpu-threads`` (default
+    the physical cores) shared by the node's TP ranks, since oversubscribed threads slow every
+    rank down (and a collective waits for the slowest)."""
+    if device.type != "cpu":
+        return
+    total = config.cpu_threads or physical_cores()
+    torch.set_num_threads(max(1, total // Topology.of(config).ranks_per_node))
 
 
 def init_tp_group(

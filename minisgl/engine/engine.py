@@ -11,6 +11,7 @@ from minisgl.attention.base import AttentionBackend, BatchLayout, ForwardBatch
 from minisgl.attention.registry import make_backend
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
+from minisgl.distributed.group import share_cpu_threads
 from minisgl.engine.cuda_graph import CudaGraphRunner, GraphTarget
 from minisgl.engine.logit_mask import apply_token_bitmask
 from minisgl.engine.sampler import PenaltyState, SampleOutput, Sampler, SamplingBatch
@@ -52,6 +53,8 @@ class Engine:
         if self.tp.size != config.tp_size:
             raise ValueError(f"tp_size={config.tp_size} needs Engine(config, TPInfo(rank, size))")
         self.device = self._join_device(pick_device(config.device))
+        if share is None:
+            share_cpu_threads(config, self.device)
         self.dtype = model_dtype(config.dtype, self.device)
         # The KV pool's element type: the model's, or fp8 (1 byte: the pool sizing then fits
         # twice a bf16 pool's pages in the same budget).

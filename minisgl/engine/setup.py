@@ -4,9 +4,11 @@ configuration, load its weights, and size the KV pool from the memory left."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -76,10 +78,14 @@ def load_model_weights(
         # One full random checkpoint, of which every TP rank loads its shard.
         load_weights(model, iter_dummy_weights(dict(hf_config), device, dtype, config.seed))
     elif resolved.kind == "gguf":
-        from minisgl.models.gguf_loader import iter_gguf_weights
+        from minisgl.models.gguf_loader import iter_gguf_weights, release_readers
 
         raw = hf_config.get("quantization_config") is not None  # kept quantized (gguf method)
         load_weights(model, iter_gguf_weights(resolved.path, dtype, raw))
+        # The file's parsed header (vocabulary strings) and the loading temporaries are no
+        # longer needed here: a few hundred MB for the bundled model until given back.
+        release_readers()
+        trim_heap()
     else:
         load_weights(model, iter_safetensors(Path(resolved.path), device))
 
@@ -133,3 +139,20 @@ def agree_on_pages(num_pages: int, tp: TPInfo, device: torch.device) -> int:
     t = torch.tensor([num_pages], device=device if device.type == "cuda" else "cpu")
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return int(t.item())
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the OS, once idle after work. Bursts of large
+    temporaries (long prefills, prompt-logprob logits on CPU) would otherwise keep the
+    process at its high-water mark for good: glibc returns little of it by itself."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -38,12 +38,12 @@ def module() -> ModuleType:
     return _C
 
 
-FUSED = built() and CPU_KERNELS.get()
+BUILT = built()
 
 
 def fused_ok(x: torch.Tensor) -> bool:
     """The fused kernels serve ``x`` (a float32 CPU tensor, the kernels built and on)."""
-    return FUSED and x.device.type == "cpu" and x.dtype == torch.float32
+    return BUILT and x.device.type == "cpu" and x.dtype == torch.float32 and CPU_KERNELS.get()
 
 
 def add_rms_norm(

@@ -73,7 +73,36 @@ _PLAIN_NUMPY = {
 
 @functools.lru_cache(maxsize=4)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path, "r")
+    try:
+        return GGUFReader(path, "r")
+    except ValueError as exc:
+        if "GGMLQuantizationType" not in str(exc):
+            raise
+        raise ValueError(f"GGUF file {path}: {_unknown_type(path)}") from None
+
+
+def _unknown_type(path: str) -> str:
+    """Which tensor has a block type gguf-py does not know (its reader only says the id)."""
+
+    class Scan(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            known = {int(t) for t in GGMLQuantizationType}
+            for field in fields:  # parts: name length, name, dims, shape, type, offset
+                qtype = int(field.parts[4][0])
+                if qtype not in known:
+                    name = bytes(field.parts[1]).decode(errors="replace")
+                    raise LookupError(f"tensor {name!r} has unknown block type id {qtype}")
+
+    try:
+        Scan(path, "r")
+    except LookupError as found:
+        return str(found)
+    return "a tensor has a block type gguf-py does not know"
+
+
+def release_readers() -> None:
+    """Drop the cached readers (and their memory maps); the next access parses again."""
+    _cached_reader.cache_clear()
 
 
 def _reader(path: str | Path) -> GGUFReader:
@@ -267,10 +296,11 @@ def _to_torch(tensor: ReaderTensor, dtype: torch.dtype) -> torch.Tensor:
     else:
         try:
             values = dequantize(data, qtype)
-        except NotImplementedError as exc:
-            raise NotImplementedError(
-                f"cannot dequantize GGUF tensor {tensor.name!r} of type {qtype.name}"
-            ) from exc
+        except NotImplementedError:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has block type {qtype.name}, which this "
+                "installation's gguf package cannot decode"
+            ) from None
     if not values.flags.writeable:  # F32 comes back as a view of the read-only memory map
         values = values.copy()
     return torch.from_numpy(values).reshape(shape).to(dtype)

@@ -5,13 +5,12 @@ after work, every KV page must be free or evictable and every request row free."
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from minisgl.engine.setup import trim_heap
 from minisgl.ipc.messages import ControlReply, ControlRequest, JSONDict
 from minisgl.sampling_params import SamplingParams
 
@@ -182,20 +181,3 @@ def abort_phase(req: Req) -> str:
     if req.state is ReqState.WAITING:
         return "waiting"
     return "prefill" if req.num_generated == 0 else "decode"
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]  # glibc
-    except (OSError, AttributeError):
-        return None
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the OS, once idle after work. Bursts of large
-    temporaries (long prefills, prompt-logprob logits on CPU) would otherwise keep the
-    process at its high-water mark for good: glibc returns little of it by itself."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

@@ -75,11 +75,9 @@ def run_scheduler(args: SchedulerArgs, report_queue: Queue[child.ChildReport]) -
 def _serve(args: SchedulerArgs, report_queue: Queue[child.ChildReport]) -> None:
     with child.startup_report(f"scheduler-tp{args.tp_rank}", report_queue) as ready:
         from minisgl.distributed import TPInfo
-        from minisgl.distributed.group import share_cpu_threads
-        from minisgl.engine.engine import Engine, pick_device
+        from minisgl.engine.engine import Engine
 
         tp = TPInfo(args.tp_rank, args.config.tp_size)
-        share_cpu_threads(args.config, pick_device(args.config.device))
         engine = Engine(args.config, tp)  # with TP, joins the ranks' process groups
         loop = SchedulerLoop(engine, args)
         if tp.size > 1 and tp.is_primary:

@@ -84,12 +84,24 @@ def run_worker(args: WorkerArgs, report_queue: Queue[ChildReport]) -> None:
     run_child(lambda: _serve(args, report_queue))
 
 
+def keep_to_one_thread() -> None:
+    """This process computes nothing heavy: its torch threads (transformers loads torch) would
+    only contend with the engine's for the cores (a spinning OpenMP team slows the engine's
+    steps several-fold on a busy CPU)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+
+
 def _serve(args: WorkerArgs, report_queue: Queue[ChildReport]) -> None:
     with startup_report("tokenizer", report_queue) as ready:
         from minisgl.models.resolve import resolve_model_path
         from minisgl.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(resolve_model_path(args.model), args.tokenizer)
+        keep_to_one_thread()
         save_tokenizer_copy(tokenizer, Path(args.tokenizer_copy_dir))
         worker = Worker(tokenizer, args)
         ready({"chat_template": bool(getattr(tokenizer, "chat_template", None))})

@@ -45,8 +45,7 @@ def run_rank(args: RankArgs) -> None:
 def follow_offline(config: EngineConfig, rank: int) -> None:
     from minisgl.distributed import TPInfo
     from minisgl.distributed.channel import EventChannel
-    from minisgl.distributed.group import share_cpu_threads
-    from minisgl.engine.engine import Engine, pick_device
+    from minisgl.engine.engine import Engine
     from minisgl.scheduler.scheduler import Scheduler
     from minisgl.scheduler.stop import TokenizerDecoder
     from minisgl.tokenizer import load_tokenizer
@@ -54,7 +53,6 @@ def follow_offline(config: EngineConfig, rank: int) -> None:
     from minisgl.tp.mirror import RankState, follow
 
     tp = TPInfo(rank, config.tp_size)
-    share_cpu_threads(config, pick_device(config.device))
     engine = Engine(config, tp)
     load = partial(load_tokenizer, engine.resolved, config.tokenizer)  # if a request needs it
     scheduler = Scheduler(engine, decode=TokenizerDecoder(load=load))

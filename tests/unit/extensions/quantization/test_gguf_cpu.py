@@ -178,3 +178,65 @@ def test_default_model_agrees_over_1000_positions() -> None:
 
 def test_supported_types_are_the_five() -> None:
     assert set(SUPPORTED) == set(TYPES)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+def test_unknown_block_type_names_the_tensor(tmp_path: Path) -> None:
+    import gguf
+
+    from minisgl.models.gguf_loader import gguf_hf_config
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama", Q.Q8_0, layers=1)
+    field = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_q.weight").field
+    at = field.offset + sum(part.nbytes for part in field.parts[:4])  # the tensor's type id
+    raw = bytearray(path.read_bytes())
+    raw[at : at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has unknown block type id 99"):
+        gguf_hf_config(path)
+
+
+def test_undecodable_block_type_names_the_tensor(tmp_path: Path) -> None:
+    import gguf
+
+    from minisgl.layers.quantization import parse_quant_config
+    from minisgl.models.gguf_loader import iter_gguf_weights
+
+    path = tmp_path / "q8_1.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_head_count(1)
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 40 * 2), np.uint8), raw_dtype=Q.Q8_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="tensor_types: Q8_1 are not kept quantized"):
+        parse_quant_config({"quant_method": "gguf", "tensor_types": ["Q4_K", "Q8_1"]})
+    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has block type Q8_1"):
+        list(iter_gguf_weights(path))
+
+
+def test_cpu_threads_option() -> None:
+    import os
+
+    from minisgl.config import EngineConfig
+    from minisgl.distributed.group import share_cpu_threads
+
+    with pytest.raises(ValueError, match=r"cpu_threads=0 is invalid: >= 1"):
+        EngineConfig.from_kwargs(cpu_threads=0)
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=rf"cpu_threads={too_many} is invalid: at most"):
+        EngineConfig.from_kwargs(cpu_threads=too_many)
+    before = torch.get_num_threads()
+    try:
+        share_cpu_threads(EngineConfig.from_kwargs(cpu_threads=1), torch.device("cpu"))
+        assert torch.get_num_threads() == 1
+        share_cpu_threads(EngineConfig.from_kwargs(cpu_threads=2, tp_size=2), torch.device("cpu"))
+        assert torch.get_num_threads() == 1  # two TP ranks share the two threads
+    finally:
+        torch.set_num_threads(before)
