@@ -1,0 +1,134 @@
+"""Batch-1 FP8 GEMV (1-4 rows): y = x W^T (+ b) with W = e4m3 [N, K] times float32 scales.
+
+``scales`` [N / SN, K / SK]: one scale per SN rows x SK inputs, block-wise checkpoints'
+128 x 128 blocks or one per row (SN = 1, SK = K: per-channel, and per-tensor repeated over
+the tensor's rows). Weight-only: x stays in its dtype (bf16), products are summed in float32.
+
+A decode step at batch 1 reads every weight once, so the product should stream the e4m3
+bytes at HBM bandwidth: half the bytes of bf16, hence about half the time. The structure is
+kernels/gemv.py's (each program owns BLOCK_N columns for every row, streams their weight rows
+once over K, accumulates elementwise in float32 and reduces over K at the end), and the
+scales cost no work per weight:
+- per-row scales multiply the program's sums once, at the end;
+- block scales: a program's columns lie in one row of blocks (BLOCK_N divides SN), so each
+  step multiplies its BLOCK_K activations by their block's scale instead of the BLOCK_N x
+  BLOCK_K weights: (x_k s_b) q_nk = x_k (q_nk s_b).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK: tl.constexpr,
+              ROW_SCALE: tl.constexpr):  # fmt: skip
+    """The step's activations [BLOCK_M, BLOCK_K] in float32, times their block's scale."""
+    k_mask = kk < k_dim
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    if not ROW_SCALE:
+        x = x * tl.load(s_row + kk // SK, mask=k_mask, other=0.0)[None, :]
+    return x
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om, stride_s,
+    SN: tl.constexpr, SK: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < rows
+    n_mask = offs_n < n_cols
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * k_dim
+    # Weights, scales and bias are written by no kernel: the first step's weights and the
+    # per-row scales are requested before the PDL wait, overlapping the previous kernel.
+    w0_mask = n_mask[:, None] & (offs_k < k_dim)[None, :]
+    w0 = tl.load(w_rows + offs_k[None, :], mask=w0_mask, other=0.0)
+    s_col = tl.zeros([BLOCK_N], tl.float32)
+    if ROW_SCALE:
+        s_col = tl.load(s_ptr + (offs_n // SN) * stride_s, mask=n_mask, other=0.0)
+    bias = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    s_row = s_ptr + (pid * BLOCK_N // SN) * stride_s  # block scales: the program's row
+    pdl_wait(PDL)
+    x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE)
+    acc = x0[:, None, :] * w0.to(tl.float32)[None, :, :]
+    for k0 in range(BLOCK_K, k_dim, BLOCK_K):
+        kk = k0 + offs_k
+        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :], other=0.0)
+        x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    y = tl.sum(acc, axis=2)
+    if ROW_SCALE:
+        y = y * s_col[None, :]
+    if HAS_BIAS:
+        y += bias[None, :]
+    dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# (BLOCK_N, BLOCK_K, warps, stages) per (rows, N, K), overriding fp8_gemv_tiles: set by
+# tuning runs (benchmark/gpu/bench_fp8.py).
+TABLE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def fp8_gemv_tiles(rows: int, n_cols: int, k_dim: int) -> GemvTiles:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). The default is the bf16 GEMV's tile rule
+    at the same bytes per step (twice the inputs), ~8k float32 accumulators per program."""
+    block_m = triton.next_power_of_2(max(rows, 1))
+    if (rows, n_cols, k_dim) in TABLE:
+        return (block_m, *TABLE[rows, n_cols, k_dim])
+    return block_m, max(16 // block_m, 2), 2048 if k_dim >= 8192 else 1024, 4, 4
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: GemvTiles | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= 4) times (weight e4m3 [N, K] with ``scales`` [N/SN, K/SK])^T (+ bias)
+    -> [M, N] in x's dtype. Block scales need BLOCK_N to divide SN (the tiles are cut)."""
+    rows, k_dim = x.shape
+    n_cols = weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.is_contiguous()
+    sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
+    assert scales.shape == (n_cols // sn, k_dim // sk) and scales.dtype == torch.float32
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = tiles or fp8_gemv_tiles(rows, n_cols, k_dim)
+    row_scale = sk == k_dim
+    if not row_scale:
+        block_n = min(block_n, sn & -sn)  # a power of two dividing SN
+    _fp8_gemv_kernel[(cdiv(n_cols, block_n),)](
+        x, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
+        x.stride(0), out.stride(0), scales.stride(0),
+        SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
+    )  # fmt: skip
+    return out
+
+
+def load_table(path: str) -> None:
+    """Read a JSON list of [rows, N, K, [BLOCK_N, BLOCK_K, warps, stages]] into TABLE."""
+    with open(path) as f:
+        TABLE.update({(r, n, k): (t[0], t[1], t[2], t[3]) for r, n, k, t in json.load(f)})
