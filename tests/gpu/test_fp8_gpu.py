@@ -89,21 +89,32 @@ def _agreement(
     return agree / len(ref), sum(diffs) / max(len(diffs), 1)
 
 
-@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "w8a8_gemm"])
-def test_fp8_engine_teacher_forced_top1(fp8_model: tuple[Path, Path], gemv: bool) -> None:
-    """CUDA graphs on (the default): batch-1 decode steps run the FP8 GEMV (weight-only),
-    or with MINISGL_FP8_GEMV=0 the W8A8 GEMM; the prefills of the restarts the GEMM."""
-    qpath, ref_path = fp8_model
-    prompt = list(range(10, 26))
+PROMPT = list(range(10, 26))
+GRAPHS = dict(dtype="bfloat16", cuda_graph_max_bs=4)  # CUDA graphs on, few to capture
+
+
+@pytest.fixture(scope="module")
+def twin_greedy(fp8_model: tuple[Path, Path]) -> dict:
+    """The bf16 twin's 512 greedy tokens and their logprobs."""
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True, logprobs=True)
-    twin = LLM(str(ref_path), dtype="bfloat16")
-    want = twin.generate([prompt], params, use_tqdm=False)[0]
-    del twin
+    twin = LLM(str(fp8_model[1]), **GRAPHS)  # type: ignore[arg-type]
+    out = twin.generate([PROMPT], params, use_tqdm=False)[0]
+    twin.close()
+    return out
+
+
+@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "w8a8_gemm"])
+def test_fp8_engine_teacher_forced_top1(
+    fp8_model: tuple[Path, Path], twin_greedy: dict, gemv: bool
+) -> None:
+    """CUDA graphs on: batch-1 decode steps run the FP8 GEMV (weight-only), or with
+    MINISGL_FP8_GEMV=0 the W8A8 GEMM; the prefills of the restarts the GEMM."""
+    want = twin_greedy
     with env.override({FP8_GEMV: gemv}):
-        llm = LLM(str(qpath), dtype="bfloat16")
+        llm = LLM(str(fp8_model[0]), **GRAPHS)  # type: ignore[arg-type]
         qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,index]
         assert qkv.quant is not None and qkv.qweight.dtype == torch.float8_e4m3fn
-        top1, diff = _agreement(llm, prompt, want["token_ids"], want["logprobs"])
+        top1, diff = _agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
     print(f"fp8 {'GEMV' if gemv else 'W8A8 GEMM'}: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
     assert top1 >= 0.99 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)

@@ -38,7 +38,7 @@ def fp8_weights(
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, eps: float) -> None:
-    err = (got.double().cpu() - ref).abs()
+    err = (got.double() - ref).abs()
     tol = eps * ref.abs() + bound + 1e-6
     assert bool((err <= tol).all()), (err - tol).max().item()
 
@@ -53,9 +53,10 @@ def gemv_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, b
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = fp8_gemv(x.to(device), q.to(device), s.to(device), None if b is None else b.to(device))
     assert got.shape == (rows, n) and got.dtype == dtype
-    ref = x.double() @ w.T + (0 if b is None else b.double())
+    xd, w = x.double().to(device), w.to(device)  # the reference where the kernel ran (speed)
+    ref = xd @ w.T + (0 if b is None else b.double().to(device))
     eps = torch.finfo(dtype).eps
-    _close(got, ref, k * 2**-24 * (x.double().abs() @ w.abs().T), eps)
+    _close(got, ref, k * 2**-24 * (xd.abs() @ w.abs().T), eps)
 
 
 def gemm_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
@@ -68,9 +69,9 @@ def gemm_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, b
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     got = fp8_gemm(x, q.to(device), s.to(device), None if b is None else b.to(device))
     assert got.shape == (rows, n) and got.dtype == dtype
-    xq, xs = (t.cpu() for t in quantize_groups(x))
-    xd = xq.double() * xs.double().repeat_interleave(128, 1)
-    ref = xd @ w.T + (0 if b is None else b.double())
+    xq, xs = quantize_groups(x)
+    xd, w = xq.double() * xs.double().repeat_interleave(128, 1), w.to(device)
+    ref = xd @ w.T + (0 if b is None else b.double().to(device))
     eps = torch.finfo(dtype).eps
     _close(got, ref, 2**-10 * (xd.abs() @ w.abs().T), eps)
 
