@@ -25,8 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmark.gpu.bench_gemv import L2_BYTES, SHAPES, graph_time_us, rotating  # noqa: E402
 from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv  # noqa: E402
 
-GRID = [(bn, bk, w, s) for bn, bk, w, s in itertools.product(
-    (4, 8, 16), (1024, 2048), (4, 8), (1, 4)) if bn * bk <= 16384]  # fmt: skip
+SIZES = [(8, 1024, 4), (4, 2048, 4), (8, 2048, 8), (16, 1024, 8), (4, 1024, 4), (8, 512, 4),
+         (16, 1024, 4), (16, 2048, 8), (32, 1024, 8)]  # fmt: skip
+# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R); R = 1 only at <= 64 accumulators a thread.
+GRID = [(bn, bk, w, 1, p, r) for (bn, bk, w), p, r in itertools.product(SIZES, (0, 1), (1, 16))
+        if r > 1 or bn * bk <= 64 * 32 * w]  # fmt: skip
 
 
 def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -41,7 +44,7 @@ def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Te
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
-    ap.add_argument("--gemm-rows", type=int, nargs="+", default=[16, 64, 256, 2048])
+    ap.add_argument("--gemm-rows", type=int, nargs="*", default=[16, 64, 256, 2048])
     ap.add_argument("--write-table", default=None)
     args = ap.parse_args()
     table = []
@@ -61,17 +64,22 @@ def main() -> None:
                 print(f"{name} rows {rows}: GEMM {t:7.1f} us vs bf16 cuBLAS {t_bf:7.1f}")
                 continue
             results = []
+            want = fp8_gemv.fp8_gemv(x, *qs[0]).float()
             for cfg in [None, *GRID]:
                 tiles = None if cfg is None else (rows, *cfg)
                 run = rotating(lambda q, x=x, t=tiles: fp8_gemv.fp8_gemv(x, *q, tiles=t), qs)
                 try:
+                    got = fp8_gemv.fp8_gemv(x, *qs[0], tiles=tiles).float()
+                    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max()):
+                        print(f"  {cfg}: WRONG RESULT")
+                        continue
                     results.append((graph_time_us(run) / copies, cfg))
                 except Exception as e:  # a tile Triton cannot compile (shared memory)
                     print(f"  {cfg}: {type(e).__name__}")
             t_def = results[0][0]
             best = sorted(results[1:])[:4]
             print(f"{name} rows {rows}: bf16 cuBLAS {t_bf:6.1f} us | FP8 GEMV default "
-                  f"{t_def:6.1f} ({gb / t_def * 1e6:.2f} TB/s) | best "
+                  f"{t_def:6.1f} ({gb / t_def * 1e3:.2f} TB/s) | best "
                   + ", ".join(f"{t:.1f} {c}" for t, c in best))  # fmt: skip
             table.append([rows, n, k, list(best[0][1])])
     if args.write_table:

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels import cdiv
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -41,11 +41,23 @@ def _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK: tl.constex
     return x
 
 
+@triton.jit
+def _products(x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              R: tl.constexpr):  # fmt: skip
+    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] elementwise, in float32; R > 1: summed
+    over runs of R inputs (fewer accumulators where a thread holds R consecutive weights)."""
+    p = x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if R > 1:
+        p = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, BLOCK_K // R, R]), axis=3)
+    return p
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om, stride_s,
     SN: tl.constexpr, SK: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    R: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -66,13 +78,26 @@ def _fp8_gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     s_row = s_ptr + (pid * BLOCK_N // SN) * stride_s  # block scales: the program's row
     pdl_wait(PDL)
-    x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE)
-    acc = x0[:, None, :] * w0.to(tl.float32)[None, :, :]
-    for k0 in range(BLOCK_K, k_dim, BLOCK_K):
-        kk = k0 + offs_k
-        w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :], other=0.0)
-        x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if PREFETCH:  # the next step's weights requested before this step's products
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // R], tl.float32)
+        w = w0
+        for k0 in range(0, k_dim, BLOCK_K):
+            kn = k0 + BLOCK_K + offs_k
+            nxt = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < k_dim)[None, :],
+                          other=0.0)  # fmt: skip
+            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, k0 + offs_k, k_dim, stride_xm, SK,
+                          ROW_SCALE)  # fmt: skip
+            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R)
+            w = nxt
+    else:
+        x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE)
+        acc = _products(x0, w0, BLOCK_M, BLOCK_N, BLOCK_K, R)
+        for k0 in range(BLOCK_K, k_dim, BLOCK_K):
+            kk = k0 + offs_k
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :],
+                        other=0.0)  # fmt: skip
+            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE)
+            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R)
     y = tl.sum(acc, axis=2)
     if ROW_SCALE:
         y = y * s_col[None, :]
@@ -82,18 +107,21 @@ def _fp8_gemv_kernel(
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) per (rows, N, K), overriding fp8_gemv_tiles: set by
-# tuning runs (benchmark/gpu/bench_fp8.py).
-TABLE: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R) as the kernel takes them.
+Config = tuple[int, int, int, int, int, int]
+Tiles = tuple[int, int, int, int, int, int, int]  # (BLOCK_M, *Config)
+
+# Configs per (rows, N, K), overriding fp8_gemv_tiles: set by tuning runs
+# (benchmark/gpu/bench_fp8.py --write-table, bench_latency.py --fp8-gemv-table).
+TABLE: dict[tuple[int, int, int], Config] = {}
 
 
-def fp8_gemv_tiles(rows: int, n_cols: int, k_dim: int) -> GemvTiles:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). The default is the bf16 GEMV's tile rule
-    at the same bytes per step (twice the inputs), ~8k float32 accumulators per program."""
+def fp8_gemv_tiles(rows: int, n_cols: int, k_dim: int) -> Tiles:
+    """The H200 sweep's best tiles at Qwen3-8B's shapes, one row (benchmark/RESULTS.md)."""
     block_m = triton.next_power_of_2(max(rows, 1))
     if (rows, n_cols, k_dim) in TABLE:
         return (block_m, *TABLE[rows, n_cols, k_dim])
-    return block_m, max(16 // block_m, 2), 2048 if k_dim >= 8192 else 1024, 4, 4
+    return block_m, 8, 1024, 4, 1, 0, 1
 
 
 def fp8_gemv(
@@ -101,7 +129,7 @@ def fp8_gemv(
     weight: torch.Tensor,
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
-    tiles: GemvTiles | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times (weight e4m3 [N, K] with ``scales`` [N/SN, K/SK])^T (+ bias)
     -> [M, N] in x's dtype. Block scales need BLOCK_N to divide SN (the tiles are cut)."""
@@ -115,7 +143,9 @@ def fp8_gemv(
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps, stages = tiles or fp8_gemv_tiles(rows, n_cols, k_dim)
+    block_m, block_n, block_k, warps, stages, prefetch, r = tiles or fp8_gemv_tiles(
+        rows, n_cols, k_dim
+    )
     row_scale = sk == k_dim
     if not row_scale:
         block_n = min(block_n, sn & -sn)  # a power of two dividing SN
@@ -123,12 +153,15 @@ def fp8_gemv(
         x, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
         x.stride(0), out.stride(0), scales.stride(0),
         SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
+        BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, num_warps=warps,
+        num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
 
 
 def load_table(path: str) -> None:
-    """Read a JSON list of [rows, N, K, [BLOCK_N, BLOCK_K, warps, stages]] into TABLE."""
+    """Read a JSON list of [rows, N, K, Config] into TABLE."""
     with open(path) as f:
-        TABLE.update({(r, n, k): (t[0], t[1], t[2], t[3]) for r, n, k, t in json.load(f)})
+        TABLE.update(
+            {(r, n, k): (t[0], t[1], t[2], t[3], t[4], t[5]) for r, n, k, t in json.load(f)}
+        )

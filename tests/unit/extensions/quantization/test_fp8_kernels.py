@@ -44,14 +44,20 @@ def _close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, eps: float
 
 
 def gemv_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
-              device: torch.device) -> None:  # fmt: skip
+              device: torch.device, tiles: tuple[int, ...] | None = None) -> None:  # fmt: skip
     from minisgl.extensions.quantization.kernels.fp8_gemv import fp8_gemv
 
     q, s, w = fp8_weights(n, k, sn, sk, rows + n + k + sn)
     g = torch.Generator().manual_seed(k)
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = fp8_gemv(x.to(device), q.to(device), s.to(device), None if b is None else b.to(device))
+    got = fp8_gemv(
+        x.to(device),
+        q.to(device),
+        s.to(device),
+        None if b is None else b.to(device),
+        tiles,  # type: ignore[arg-type]
+    )
     assert got.shape == (rows, n) and got.dtype == dtype
     xd, w = x.double().to(device), w.to(device)  # the reference where the kernel ran (speed)
     ref = xd @ w.T + (0 if b is None else b.double().to(device))
@@ -80,6 +86,13 @@ def check_fp8_gemv_block_scales(device: torch.device) -> None:
     gemv_case(1, 256, 384, 128, 128, torch.bfloat16, False, device)
     gemv_case(3, 256, 512, 128, 128, torch.bfloat16, True, device)
     gemv_case(2, 48, 256, 1, 128, torch.float32, False, device)  # one row per scale
+
+
+def check_fp8_gemv_prefetch_and_run_sums(device: torch.device) -> None:
+    """The tiles' variants: next step prefetched, sums over runs of R inputs."""
+    gemv_case(1, 256, 640, 128, 128, torch.bfloat16, False, device, (1, 8, 256, 4, 1, 1, 16))
+    gemv_case(2, 64, 384, 1, 384, torch.bfloat16, True, device, (2, 16, 128, 4, 1, 0, 16))
+    gemv_case(4, 128, 512, 128, 128, torch.float32, False, device, (4, 4, 256, 4, 1, 1, 1))
 
 
 def check_fp8_gemv_row_scales(device: torch.device) -> None:
