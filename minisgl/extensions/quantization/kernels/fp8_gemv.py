@@ -13,6 +13,15 @@ scales cost no work per weight:
 - block scales: a program's columns lie in one row of blocks (BLOCK_N divides SN), so each
   step multiplies its BLOCK_K activations by their block's scale instead of the BLOCK_N x
   BLOCK_K weights: (x_k s_b) q_nk = x_k (q_nk s_b).
+
+Measured on the H200 (benchmark/RESULTS.md, 2026-12-05): at the default tiles it streams only
+2.0-2.6 TB/s (8B qkv 12.3 us, o 7.7, gate_up 38.5, down 20.4; bf16 cuBLAS 15.4, 13.5, 48.1,
+29.6), so FP8 Qwen3-8B decodes at 3.64 ms/token, not the ~2.2 that the bytes allow. Likely
+too few bytes in flight (one 8 KB step per program, 64 accumulators a thread). Two variants
+are in the kernel, UNMEASURED on a GPU (checked under the interpreter only): PREFETCH
+requests the next step's weights before this step's products (what lifted the int4 GEMV),
+R > 1 sums runs of R inputs in-thread (fewer accumulators: wider tiles). bench_fp8.py sweeps
+them with the tiles and --write-table gives bench_latency.py their best.
 """
 
 from __future__ import annotations
