@@ -1,4 +1,4 @@
-"""FP8 checkpoints, dense layers and MoE experts, dequantized once at load.
+"""FP8 checkpoints, dense layers and MoE experts: e4m3 on CUDA (dense), else dequantized at load.
 
 Formats (Hugging Face ``quantization_config``), for a linear y = x W^T with W [N, K] and a
 ``weight`` in e4m3 (float8_e4m3fn):
@@ -17,11 +17,12 @@ keeps every tensor N-major at full row resolution, the weight's values in the co
 (exact: every e4m3 value is a bf16, fp16 and fp32 value) and each block's scale repeated
 over its rows, so the layers' own sharding (merged q/k/v and gate/up, column- and
 row-parallel TP, expert slices) applies unchanged; row-parallel ranks and the experts'
-down projections split K along whole scale blocks. ``finish_loading`` multiplies the scales
-in (float32 products, rounded once to the compute dtype) and the layer runs the float path,
-on every device for now: this saves no memory over a bf16 checkpoint (CPU and CUDA hold the
-dequantized weights), until FP8 kernels come. Activations are not quantized: static input
-scales must be in the file but are not used.
+down projections split K along whole scale blocks. ``finish_loading`` then turns a dense
+layer on CUDA into e4m3 weights and float32 scales for the FP8 kernels (fp8_cuda.py; unless
+MINISGL_FP8_KERNELS=0): half the bytes of bf16. Elsewhere (CPU, MoE experts, layouts the
+kernels do not take) it multiplies the scales in (float32 products, rounded once to the
+compute dtype) and the layer runs the float path. Static input scales must be in the file
+but are not used: the kernels quantize activations dynamically (or not at all, 1-4 rows).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minisgl.extensions.quantization.fp8_cuda import fp8_forward, pack_fp8, set_fp8_buffers
 from minisgl.extensions.quantization.int4 import config_int, register_raw
+from minisgl.extensions.quantization.switches import FP8_KERNELS
 from minisgl.layers.quantization import MissingTensor, ShardFn
 
 E4M3 = torch.float8_e4m3fn
@@ -56,12 +59,10 @@ class Fp8Method:
         add_fp8_params(layer, "weight", (out_features, in_local), self, load_shard)
 
     def finish_loading(self, layer: nn.Module, dtype: torch.dtype) -> bool:
-        finish_fp8(layer, "weight", self, dtype)
-        return False
+        return finish_fp8(layer, "weight", self, dtype, kernels=FP8_KERNELS.get())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Not reached while finish_loading leaves float weights (the layer's float path runs).
-        return torch.nn.functional.linear(x, layer.get_parameter("weight"), bias)
+        return fp8_forward(layer, x, bias)
 
     def create_expert_weights(
         self, moe: nn.Module, name: str, shape: tuple[int, int, int], load_shard: ShardFn
@@ -240,9 +241,13 @@ def _load_per_tensor(param: nn.Parameter, t: torch.Tensor, shard: int = 0) -> No
     param.data[shard] = t.float().reshape(())
 
 
-def finish_fp8(module: nn.Module, weight: str, method: Fp8Method, dtype: torch.dtype) -> None:
+def finish_fp8(
+    module: nn.Module, weight: str, method: Fp8Method, dtype: torch.dtype, kernels: bool = False
+) -> bool:
     """Multiply every e4m3 row by its scales; ``weight`` becomes a float parameter in
-    ``dtype``. MissingTensor for e4m3 rows without their scale (or static input scale)."""
+    ``dtype`` (False). ``kernels``: a CUDA tensor of e4m3 rows only becomes the FP8 kernels'
+    buffers instead where they take its layout (True). MissingTensor for e4m3 rows without
+    their scale (or static input scale)."""
     shard_name, scale_name, input_name = _names(weight, method)
     w = module.get_parameter(weight).data.to(dtype)
     shard = module.get_parameter(shard_name).data[..., 0]  # [..., N]
@@ -260,11 +265,18 @@ def finish_fp8(module: nn.Module, weight: str, method: Fp8Method, dtype: torch.d
         if bool(missing.any()):
             why = f"{field} needs it beside a float8_e4m3fn weight"
             raise MissingTensor(weight, int(shard[missing][0]), name, why)
-    if bool(fp8.any()):
+    packed = None
+    if kernels and w.is_cuda and w.dim() == 2 and bool(fp8.all()):
+        packed = pack_fp8(w, scales, method.block)
+    if packed is None and bool(fp8.any()):
         scales = torch.where(fp8.unsqueeze(-1), scales, 1.0)
         # In place, computed in float32 (the scales' dtype) and rounded once to ``dtype``.
         w.unflatten(-1, (scales.shape[-1], -1)).mul_(scales.unsqueeze(-1))
     for name in (weight, shard_name, scale_name, input_name):
         if name in module._parameters:
             delattr(module, name)
+    if packed is not None:
+        set_fp8_buffers(module, *packed)
+        return True
     module.register_parameter(weight, nn.Parameter(w, requires_grad=False))
+    return False

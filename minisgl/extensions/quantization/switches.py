@@ -8,3 +8,7 @@ INT4_GEMV = flag("INT4_GEMV", True, "CUDA: 1-4-row int4 products on the int4 GEM
 GGUF_KERNELS = flag(
     "GGUF_KERNELS", True, "CPU: GGUF weights stay quantized (AVX2 kernels); off: dequantized"
 )
+FP8_KERNELS = flag(
+    "FP8_KERNELS", True, "CUDA: FP8 dense layers keep e4m3 weights (FP8 kernels); off: bf16"
+)
+FP8_GEMV = flag("FP8_GEMV", True, "CUDA: 1-4-row FP8 products on the FP8 GEMV; off: the GEMM")

@@ -1,0 +1,66 @@
+"""FP8 dense layers on CUDA: the e4m3 weights stay e4m3 and the FP8 kernels multiply them.
+
+`pack_fp8` turns a layer's loaded rows (fp8.py's load-time form: e4m3 values in the compute
+dtype, scales repeated over each block's rows) into the kernels' form: ``qweight`` e4m3
+[N, K] and ``wscale`` float32 [N/SN, K/SK], one scale per SN rows x SK inputs (128 x 128 for
+block-wise checkpoints whose blocks survived tensor-parallel sharding whole, else one row
+per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K). `fp8_forward` runs 1-4 rows
+on kernels/fp8_gemv.py (weight-only, MINISGL_FP8_GEMV) and more on kernels/fp8_gemm.py
+(W8A8, activations quantized per token and 128 inputs). Nothing here imports triton: CPU
+processes never reach the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.extensions.quantization.switches import FP8_GEMV
+
+E4M3 = torch.float8_e4m3fn
+GROUP = 128  # kernels/fp8_gemm.py's activation group (K steps of whole groups)
+GEMV_MAX_ROWS = 4  # kernels/fp8_gemv.py's MAX_ROWS
+
+
+def pack_fp8(
+    w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w`` [N, K] (e4m3 values in a float dtype) and ``scales`` [N, K/bk] (block) or [N, 1]
+    -> (qweight, wscale); None where the kernels do not run the layout (then the caller
+    dequantizes): K or a block's inputs not in whole activation groups."""
+    n, k = w.shape
+    sk = block[1] if block is not None else k
+    if k % GROUP or sk % GROUP:
+        return None
+    sn = block[0] if block is not None and n % block[0] == 0 else 1
+    grid = scales.float().unflatten(0, (n // sn, sn))
+    if sn > 1 and not bool((grid == grid[:, :1]).all()):
+        sn = 1  # a TP shard cut through blocks: rows of one block hold different scales
+    wscale = scales.float()[::sn].contiguous()
+    return w.to(E4M3).contiguous(), wscale
+
+
+def set_fp8_buffers(layer: nn.Module, qweight: torch.Tensor, wscale: torch.Tensor) -> None:
+    # Buffers, not parameters: nothing loads into them, and pack_model skips them.
+    layer.register_buffer("qweight", qweight, persistent=False)
+    layer.register_buffer("wscale", wscale, persistent=False)
+
+
+def use_fp8_gemv(rows: int, enabled: bool | None = None) -> bool:
+    """Whether ``rows`` rows run the weight-only GEMV rather than the W8A8 GEMM."""
+    on = FP8_GEMV.get() if enabled is None else enabled
+    return on and 0 < rows <= GEMV_MAX_ROWS
+
+
+def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) on the buffers of `set_fp8_buffers`."""
+    # The module's own dict: nn.Module attribute lookup costs microseconds per layer and step.
+    qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
+    assert qweight is not None and wscale is not None
+    if use_fp8_gemv(x.shape[0]):
+        from minisgl.extensions.quantization.kernels import fp8_gemv
+
+        return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
+    from minisgl.extensions.quantization.kernels import fp8_gemm
+
+    return fp8_gemm.fp8_gemm(x, qweight, wscale, bias)

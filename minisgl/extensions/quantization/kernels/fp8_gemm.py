@@ -1,0 +1,132 @@
+"""Block-scaled FP8 GEMM (W8A8): y = x W^T (+ b) for more than 4 rows, on e4m3 tensor cores.
+
+Activations are quantized per token and group of GROUP = 128 inputs (dynamic: scale = the
+group's max-abs / 448, as DeepSeek-V3's recipe and the fine-grained FP8 checkpoints expect),
+by `quantize_groups`; the GEMM then takes one K step per group, so each step's dot of e4m3
+tiles (float32 out) is multiplied by its rows' activation scales and its columns' weight
+scales (``scales`` [N/SN, K/SK] as in kernels/fp8_gemv.py; SK a multiple of GROUP) before
+joining the float32 accumulator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels import cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
+GROUP = 128
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0)
+    g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (g < groups)[:, None]
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+    q = (x / scale[:, None]).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + row * groups * GROUP + offs, q, mask=mask)
+    tl.store(s_ptr + row * groups + g, scale, mask=g < groups)
+
+
+def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], float32 scales [M, K/128]), x ~ q * scale."""
+    rows, k_dim = x.shape
+    assert k_dim % GROUP == 0 and x.stride(1) == 1
+    groups = k_dim // GROUP
+    q = torch.empty(rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows:
+        block_g = min(8, triton.next_power_of_2(groups))
+        _quant_kernel[(rows, cdiv(groups, block_g))](
+            x, q, s, rows, groups, x.stride(0), GROUP=GROUP, BLOCK_G=block_g, **pdl_args()
+        )
+    return q, s
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_om, stride_ws,
+    SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # Programs of GROUP_M consecutive row tiles share their column tiles (L2 reuse of W).
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(rows, BLOCK_M)
+    tiles_n = tl.cdiv(n_cols, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % size_m
+    pid_n = (pid % (GROUP_M * tiles_n)) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < rows
+    n_mask = offs_n < n_cols
+    groups = k_dim // BLOCK_K
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * k_dim + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * k_dim + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    as_ptrs = as_ptr + offs_m * groups
+    ws_ptrs = ws_ptr + (offs_n // SN) * stride_ws
+    pdl_wait(PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for g in range(0, groups):
+        a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + g, mask=m_mask, other=0.0)
+        w_s = tl.load(ws_ptrs + g * BLOCK_K // SK, mask=n_mask, other=0.0)
+        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+Tiles = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, warps, stages); BLOCK_K = GROUP
+
+
+def fp8_gemm_tiles(rows: int) -> Tiles:
+    """UNMEASURED defaults: narrow column tiles for decode batches (weight-bound: enough
+    programs to cover every SM), 128 x 128 tiles on wgmma for prefill."""
+    if rows <= 64:
+        return max(16, triton.next_power_of_2(rows)), 32 if rows <= 16 else 64, 4, 5
+    if rows <= 256:
+        return 64, 128, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """x [M, K] (K % 128 == 0) times (weight e4m3 [N, K] with ``scales`` [N/SN, K/SK])^T
+    (+ bias) -> [M, N] in x's dtype, with x quantized per token and 128 inputs."""
+    rows, k_dim = x.shape
+    n_cols = weight.shape[0]
+    sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
+    assert weight.shape[1] == k_dim and weight.is_contiguous() and sk % GROUP == 0
+    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous())
+    block_m, block_n, warps, stages = tiles or fp8_gemm_tiles(rows)
+    grid = (cdiv(rows, block_m) * cdiv(n_cols, block_n),)
+    _fp8_gemm_kernel[grid](
+        q, qs, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
+        out.stride(0), scales.stride(0), SN=sn, SK=sk, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=8, num_warps=warps,
+        num_stages=stages, **pdl_args(),
+    )  # fmt: skip
+    return out

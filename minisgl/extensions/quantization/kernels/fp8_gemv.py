@@ -1,0 +1,176 @@
+"""Batch-1 FP8 GEMV (1-4 rows): y = x W^T (+ b) with W = e4m3 [N, K] times float32 scales.
+
+``scales`` [N / SN, K / SK]: one scale per SN rows x SK inputs, block-wise checkpoints'
+128 x 128 blocks or one per row (SN = 1, SK = K: per-channel, and per-tensor repeated over
+the tensor's rows). Weight-only: x stays in its dtype (bf16), products are summed in float32.
+
+A decode step at batch 1 reads every weight once, so the product should stream the e4m3
+bytes at HBM bandwidth: half the bytes of bf16, hence about half the time. The structure is
+kernels/gemv.py's (each program owns BLOCK_N columns for every row, streams their weight rows
+once over K, accumulates elementwise in float32 and reduces over K at the end), and the
+scales cost no work per weight:
+- per-row scales multiply the program's sums once, at the end;
+- block scales: a program's columns lie in one row of blocks (BLOCK_N divides SN), so each
+  step multiplies its BLOCK_K activations by their block's scale instead of the BLOCK_N x
+  BLOCK_K weights: (x_k s_b) q_nk = x_k (q_nk s_b).
+
+Measured on the H200 (benchmark/RESULTS.md, 2026-12-05): at the default tiles it streams only
+2.0-2.6 TB/s (8B qkv 12.3 us, o 7.7, gate_up 38.5, down 20.4; bf16 cuBLAS 15.4, 13.5, 48.1,
+29.6), so FP8 Qwen3-8B decodes at 3.64 ms/token, not the ~2.2 that the bytes allow. Likely
+too few bytes in flight (one 8 KB step per program, 64 accumulators a thread). Two variants
+are in the kernel, UNMEASURED on a GPU (checked under the interpreter only): PREFETCH
+requests the next step's weights before this step's products (what lifted the int4 GEMV),
+R > 1 sums runs of R inputs in-thread (fewer accumulators: wider tiles). bench_fp8.py sweeps
+them with the tiles and --write-table gives bench_latency.py their best.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels import cdiv
+from minisgl.kernels.pdl import pdl_args, pdl_wait
+
+MAX_ROWS = 4
+
+
+@triton.jit
+def _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK: tl.constexpr,
+              ROW_SCALE: tl.constexpr):  # fmt: skip
+    """The step's activations [BLOCK_M, BLOCK_K] in float32, times their block's scale."""
+    k_mask = kk < k_dim
+    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    if not ROW_SCALE:
+        x = x * tl.load(s_row + kk // SK, mask=k_mask, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
+def _products(x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              R: tl.constexpr):  # fmt: skip
+    """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] elementwise, in float32; R > 1: summed
+    over runs of R inputs (fewer accumulators where a thread holds R consecutive weights)."""
+    p = x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if R > 1:
+        p = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, BLOCK_K // R, R]), axis=3)
+    return p
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om, stride_s,
+    SN: tl.constexpr, SK: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    R: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < rows
+    n_mask = offs_n < n_cols
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * k_dim
+    # Weights, scales and bias are written by no kernel: the first step's weights and the
+    # per-row scales are requested before the PDL wait, overlapping the previous kernel.
+    w0_mask = n_mask[:, None] & (offs_k < k_dim)[None, :]
+    w0 = tl.load(w_rows + offs_k[None, :], mask=w0_mask, other=0.0)
+    s_col = tl.zeros([BLOCK_N], tl.float32)
+    if ROW_SCALE:
+        s_col = tl.load(s_ptr + (offs_n // SN) * stride_s, mask=n_mask, other=0.0)
+    bias = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    s_row = s_ptr + (pid * BLOCK_N // SN) * stride_s  # block scales: the program's row
+    pdl_wait(PDL)
+    if PREFETCH:  # the next step's weights requested before this step's products
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // R], tl.float32)
+        w = w0
+        for k0 in range(0, k_dim, BLOCK_K):
+            kn = k0 + BLOCK_K + offs_k
+            nxt = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < k_dim)[None, :],
+                          other=0.0)  # fmt: skip
+            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, k0 + offs_k, k_dim, stride_xm, SK,
+                          ROW_SCALE)  # fmt: skip
+            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R)
+            w = nxt
+    else:
+        x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE)
+        acc = _products(x0, w0, BLOCK_M, BLOCK_N, BLOCK_K, R)
+        for k0 in range(BLOCK_K, k_dim, BLOCK_K):
+            kk = k0 + offs_k
+            w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :],
+                        other=0.0)  # fmt: skip
+            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE)
+            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R)
+    y = tl.sum(acc, axis=2)
+    if ROW_SCALE:
+        y = y * s_col[None, :]
+    if HAS_BIAS:
+        y += bias[None, :]
+    dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R) as the kernel takes them.
+Config = tuple[int, int, int, int, int, int]
+Tiles = tuple[int, int, int, int, int, int, int]  # (BLOCK_M, *Config)
+
+# Configs per (rows, N, K), overriding fp8_gemv_tiles: set by tuning runs
+# (benchmark/gpu/bench_fp8.py --write-table, bench_latency.py --fp8-gemv-table).
+TABLE: dict[tuple[int, int, int], Config] = {}
+
+
+def fp8_gemv_tiles(rows: int, n_cols: int, k_dim: int) -> Tiles:
+    """The H200 sweep's best tiles at Qwen3-8B's shapes, one row (benchmark/RESULTS.md)."""
+    block_m = triton.next_power_of_2(max(rows, 1))
+    if (rows, n_cols, k_dim) in TABLE:
+        return (block_m, *TABLE[rows, n_cols, k_dim])
+    return block_m, 8, 1024, 4, 1, 0, 1
+
+
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= 4) times (weight e4m3 [N, K] with ``scales`` [N/SN, K/SK])^T (+ bias)
+    -> [M, N] in x's dtype. Block scales need BLOCK_N to divide SN (the tiles are cut)."""
+    rows, k_dim = x.shape
+    n_cols = weight.shape[0]
+    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.is_contiguous()
+    sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
+    assert scales.shape == (n_cols // sn, k_dim // sk) and scales.dtype == torch.float32
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block_m, block_n, block_k, warps, stages, prefetch, r = tiles or fp8_gemv_tiles(
+        rows, n_cols, k_dim
+    )
+    row_scale = sk == k_dim
+    if not row_scale:
+        block_n = min(block_n, sn & -sn)  # a power of two dividing SN
+    _fp8_gemv_kernel[(cdiv(n_cols, block_n),)](
+        x, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
+        x.stride(0), out.stride(0), scales.stride(0),
+        SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, num_warps=warps,
+        num_stages=stages, **pdl_args(),
+    )  # fmt: skip
+    return out
+
+
+def load_table(path: str) -> None:
+    """Read a JSON list of [rows, N, K, Config] into TABLE."""
+    with open(path) as f:
+        TABLE.update(
+            {(r, n, k): (t[0], t[1], t[2], t[3], t[4], t[5]) for r, n, k, t in json.load(f)}
+        )

@@ -1,0 +1,151 @@
+"""The FP8 Triton kernels (extensions/quantization/kernels/fp8_gemv.py, fp8_gemm.py) against a
+float64 product of the same activations (the GEMM: as the kernel quantized them) and the
+dequantized weights: block scales (aligned and one per row), per-row scales, bias, odd N and
+rows. Run under Triton's interpreter on CPU (one child process, see tests/kernel_checks.py)
+and natively on CUDA under the ``gpu`` marker; tests/gpu/test_fp8_gpu.py adds Qwen3-8B's
+shapes on CUDA.
+
+Tolerances follow the accumulation: the GEMV sums float32 products, so its error is the
+output's rounding (x's dtype) plus K float32 roundings of the running sums; the GEMM's e4m3
+dot keeps fewer bits on Hopper tensor cores (DeepSeek-V3 reports ~14), so its term is
+2^-10 of the sum of |products| (each 128-input dot is scaled into a float32 accumulator).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+if __name__ == "__main__":  # the interpreter child: make `tests` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+
+from tests import kernel_checks
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_weights(
+    n: int, k: int, sn: int, sk: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 [N, K], float32 scales [N/sn, K/sk], the dequantized float64 W)."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(E4M3)
+    s = torch.rand(n // sn, k // sk, generator=g) * 1e-3 + 1e-4
+    w = q.double() * s.double().repeat_interleave(sn, 0).repeat_interleave(sk, 1)
+    return q, s, w
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, eps: float) -> None:
+    err = (got.double() - ref).abs()
+    tol = eps * ref.abs() + bound + 1e-6
+    assert bool((err <= tol).all()), (err - tol).max().item()
+
+
+def gemv_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
+              device: torch.device, tiles: tuple[int, ...] | None = None) -> None:  # fmt: skip
+    from minisgl.extensions.quantization.kernels.fp8_gemv import fp8_gemv
+
+    q, s, w = fp8_weights(n, k, sn, sk, rows + n + k + sn)
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got = fp8_gemv(
+        x.to(device),
+        q.to(device),
+        s.to(device),
+        None if b is None else b.to(device),
+        tiles,  # type: ignore[arg-type]
+    )
+    assert got.shape == (rows, n) and got.dtype == dtype
+    xd, w = x.double().to(device), w.to(device)  # the reference where the kernel ran (speed)
+    ref = xd @ w.T + (0 if b is None else b.double().to(device))
+    eps = torch.finfo(dtype).eps
+    _close(got, ref, k * 2**-24 * (xd.abs() @ w.abs().T), eps)
+
+
+def gemm_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
+              device: torch.device) -> None:  # fmt: skip
+    from minisgl.extensions.quantization.kernels.fp8_gemm import fp8_gemm, quantize_groups
+
+    q, s, w = fp8_weights(n, k, sn, sk, rows + n + k + sn)
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    got = fp8_gemm(x, q.to(device), s.to(device), None if b is None else b.to(device))
+    assert got.shape == (rows, n) and got.dtype == dtype
+    xq, xs = quantize_groups(x)
+    xd, w = xq.double() * xs.double().repeat_interleave(128, 1), w.to(device)
+    ref = xd @ w.T + (0 if b is None else b.double().to(device))
+    eps = torch.finfo(dtype).eps
+    _close(got, ref, 2**-10 * (xd.abs() @ w.abs().T), eps)
+
+
+def check_fp8_gemv_block_scales(device: torch.device) -> None:
+    gemv_case(1, 256, 384, 128, 128, torch.bfloat16, False, device)
+    gemv_case(3, 256, 512, 128, 128, torch.bfloat16, True, device)
+    gemv_case(2, 48, 256, 1, 128, torch.float32, False, device)  # one row per scale
+
+
+def check_fp8_gemv_prefetch_and_run_sums(device: torch.device) -> None:
+    """The tiles' variants: next step prefetched, sums over runs of R inputs."""
+    gemv_case(1, 256, 640, 128, 128, torch.bfloat16, False, device, (1, 8, 256, 4, 1, 1, 16))
+    gemv_case(2, 64, 384, 1, 384, torch.bfloat16, True, device, (2, 16, 128, 4, 1, 0, 16))
+    gemv_case(4, 128, 512, 128, 128, torch.float32, False, device, (4, 4, 256, 4, 1, 1, 1))
+
+
+def check_fp8_gemv_row_scales(device: torch.device) -> None:
+    gemv_case(1, 100, 256, 1, 256, torch.bfloat16, True, device)
+    gemv_case(4, 37, 128, 1, 128, torch.float16, False, device)
+
+
+def check_fp8_gemm(device: torch.device) -> None:
+    gemm_case(5, 256, 384, 128, 128, torch.bfloat16, False, device)
+    gemm_case(70, 200, 256, 1, 256, torch.bfloat16, True, device)  # per-row scales, odd N
+    gemm_case(33, 256, 256, 1, 128, torch.float32, False, device)
+
+
+def check_fp8_quantize_groups(device: torch.device) -> None:
+    from minisgl.extensions.quantization.kernels.fp8_gemm import quantize_groups
+
+    x = torch.randn(7, 1152, generator=torch.Generator().manual_seed(1)).bfloat16()
+    q, s = (t.cpu() for t in quantize_groups(x.to(device)))
+    groups = x.float().view(7, 9, 128)
+    want = groups.abs().amax(-1) / 448
+    torch.testing.assert_close(s, want, rtol=0, atol=0)
+    if device.type == "cuda":  # the interpreter's float -> e4m3 does not round to nearest
+        torch.testing.assert_close(
+            q.float(), (groups / want[..., None]).to(E4M3).float().view(7, -1)
+        )
+
+
+CHECKS = kernel_checks.collect(globals())
+
+
+test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
+
+
+if __name__ == "__main__":
+    kernel_checks.main(CHECKS)
+
+
+def test_pack_fp8_layouts() -> None:
+    """The kernels' scale grid: 128 x 128 blocks where every block's rows share their scales,
+    one row per scale where a shard cut through blocks, [N, 1] per row; None (the caller
+    dequantizes) where K or a block's inputs are not whole activation groups."""
+    from minisgl.extensions.quantization.fp8_cuda import pack_fp8
+
+    q, s, _ = fp8_weights(256, 256, 128, 128, 0)
+    rows = s.repeat_interleave(128, 0)  # fp8.py's load-time form: scales repeated over rows
+    packed = pack_fp8(q.float(), rows, (128, 128))
+    assert packed is not None and packed[0].dtype == E4M3 and torch.equal(packed[1], s)
+    assert torch.equal(packed[0].float(), q.float())
+    cut = torch.cat([rows[64:], rows[:64]])  # rows of one 128-row block from two blocks
+    packed = pack_fp8(q.float(), cut, (128, 128))
+    assert packed is not None and torch.equal(packed[1], cut)
+    per_row = torch.rand(256, 1)
+    packed = pack_fp8(q.float(), per_row, None)
+    assert packed is not None and torch.equal(packed[1], per_row)
+    assert pack_fp8(q.float(), rows.repeat_interleave(2, 1), (128, 64)) is None
+    assert pack_fp8(q[:, :192].float(), per_row, None) is None
