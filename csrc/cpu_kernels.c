@@ -31,6 +31,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define QK 32   /* activation (and q4 / Q8_0) group */
 #define MB 4    /* activation rows per pass over a weight row */
@@ -324,11 +325,16 @@ static inline void axpy_f32(float p, const float *x, float *y, int64_t D) {
 
 /* One query row per request: out[b, h] = softmax(scale * q k^T) v over the request's
  * seq_lens[b] cached tokens, found through kv_index[b, :] (slot of each position). */
-static void decode_attention(const float *q, const float *kc, const float *vc,
-                             const int64_t *kv_index, int64_t kv_stride, const int64_t *seq_lens,
-                             float scale, int64_t B, int64_t Hq, int64_t Hk, int64_t D,
-                             float *out) {
+static void decode_attention(const float *q, float *kc, float *vc, const int64_t *kv_index,
+                             int64_t kv_stride, const int64_t *seq_lens, float scale, int64_t B,
+                             int64_t Hq, int64_t Hk, int64_t D, float *out, const float *k_new,
+                             const float *v_new, const int64_t *new_slots) {
   const int64_t group = Hq / Hk;
+  /* This step's K/V first (one row per request, [B, Hk, D]): the attention reads them. */
+  for (int64_t b = 0; new_slots && b < B; b++) {
+    memcpy(kc + new_slots[b] * Hk * D, k_new + b * Hk * D, sizeof(float) * (size_t)(Hk * D));
+    memcpy(vc + new_slots[b] * Hk * D, v_new + b * Hk * D, sizeof(float) * (size_t)(Hk * D));
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * Hq; bh++) {
     const int64_t b = bh / Hq, h = bh % Hq, hk = h / group, n = seq_lens[b];
@@ -376,14 +382,15 @@ static PyObject *py_rope(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_decode_attention(PyObject *self, PyObject *args) {
-  Py_ssize_t q, kc, vc, idx, stride, lens, B, Hq, Hk, D, out;
+  Py_ssize_t q, kc, vc, idx, stride, lens, B, Hq, Hk, D, out, k_new, v_new, slots;
   float scale;
-  if (!PyArg_ParseTuple(args, "nnnnnnfnnnnn", &q, &kc, &vc, &idx, &stride, &lens, &scale, &B, &Hq,
-                        &Hk, &D, &out))
+  if (!PyArg_ParseTuple(args, "nnnnnnfnnnnnnnn", &q, &kc, &vc, &idx, &stride, &lens, &scale, &B,
+                        &Hq, &Hk, &D, &out, &k_new, &v_new, &slots))
     return NULL;
-  Py_BEGIN_ALLOW_THREADS decode_attention((const float *)q, (const float *)kc, (const float *)vc,
+  Py_BEGIN_ALLOW_THREADS decode_attention((const float *)q, (float *)kc, (float *)vc,
                                           (const int64_t *)idx, stride, (const int64_t *)lens,
-                                          scale, B, Hq, Hk, D, (float *)out);
+                                          scale, B, Hq, Hk, D, (float *)out, (const float *)k_new,
+                                          (const float *)v_new, (const int64_t *)slots);
   Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 

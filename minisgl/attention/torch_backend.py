@@ -105,13 +105,13 @@ class TorchBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = metadata
         assert isinstance(md, TorchMetadata)
-        self.pool.store(layer_id, out_slots, k, v)
         if len(md.groups) == 1 and self._decodes_on_cpu(q, md.groups[0]):
-            # One query per request: the C kernel reads the cache through the page table
-            # (no gathered, padded copy of K/V per layer).
-            g = md.groups[0]
-            k_cache, v_cache = self.pool.k(layer_id), self.pool.v(layer_id)
-            return cpu.decode_attention(q, k_cache, v_cache, g.kv_index, g.seq_lens, scale)
+            # One query per request: the C kernel stores this step's K/V and reads the cache
+            # through the page table (no gathered, padded copy of K/V per layer).
+            g, caches = md.groups[0], (self.pool.k(layer_id), self.pool.v(layer_id))
+            slots = out_slots.to(torch.int64)
+            return cpu.decode_attention(q, *caches, g.kv_index, g.seq_lens, scale, (k, v, slots))
+        self.pool.store(layer_id, out_slots, k, v)
         num_tokens, hq, d = q.shape
         q_ext = torch.cat([q, q.new_zeros(1, hq, d)], dim=0)
         outs = [self._attend(q_ext, layer_id, g, scale) for g in md.groups]

@@ -82,15 +82,18 @@ def decode_attention(
     kv_index: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (one query per request) over caches [slots, Hk, D]; kv_index [B, *]
-    int64 slots of each request's positions, seq_lens [B] int64 -> out [B, Hq * D]."""
+    int64 slots of each request's positions, seq_lens [B] int64 -> out [B, Hq * D].
+    ``new``: this step's (k, v [B, Hk, D], slots [B] int64), stored into the caches first."""
     b, hq, d = q.shape
     q = q.contiguous()
     out = q.new_empty(b, hq * d)
+    k, v, slots = (None, None, None) if new is None else (t.contiguous() for t in new)
     module().decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_index.data_ptr(),
         kv_index.stride(0), seq_lens.data_ptr(), scale, b, hq, k_cache.shape[1], d,
-        out.data_ptr(),
+        out.data_ptr(), *(0 if t is None else t.data_ptr() for t in (k, v, slots)),
     )  # fmt: skip
     return out

@@ -53,8 +53,12 @@ def test_decode_attention_against_sdpa() -> None:
     index = torch.zeros(3, 128, dtype=torch.int64)
     for b, n in enumerate(lens):
         index[b, :n] = torch.randperm(slots, generator=g)[:n]
-    q = torch.randn(3, hq, d, generator=g)
-    out = cpu.decode_attention(q, kc, vc, index, torch.tensor(lens), 0.125)
+    q = torch.randn(3, hq * 2, d, generator=g)[:, ::2]  # a strided view, as q inside qkv
+    # This step's K/V (the last position of each request) arrive with the call.
+    new_k, new_v = torch.randn(3, hk, d, generator=g), torch.randn(3, hk, d, generator=g)
+    slots = torch.tensor([index[b, n - 1] for b, n in enumerate(lens)])
+    out = cpu.decode_attention(q, kc, vc, index, torch.tensor(lens), 0.125, (new_k, new_v, slots))
+    assert torch.equal(kc[slots], new_k) and torch.equal(vc[slots], new_v)
     for b, n in enumerate(lens):
         k = kc[index[b, :n]].transpose(0, 1)  # [hk, n, d]
         v = vc[index[b, :n]].transpose(0, 1)
