@@ -68,7 +68,9 @@ async def completion(session: aiohttp.ClientSession, url: str, tokens: int, stre
 
 async def measure(url: str, tokens: int, repeats: int, concurrency: int) -> dict[str, float]:
     timeout = aiohttp.ClientTimeout(total=1800)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A fresh connection per request: llama-server drops idle keep-alive connections.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await completion(session, url, 8, False)  # warm-up
         per_token = []
         for _ in range(repeats):
@@ -148,12 +150,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--port", type=int, default=30123)
     ap.add_argument("--output", default=None)
+    ap.add_argument("--only-llama", action="store_true", help="skip our server")
     args = ap.parse_args()
     args.model = args.model or default_model_path()
     args.llama_ctx = args.concurrency * 512
     ours = [sys.executable, "-m", "minisgl", "--model", str(args.model), "--port", str(args.port)]
     ours += ["--cpu-threads", str(args.threads)]
-    runs = [("minisgl", ours, f"http://127.0.0.1:{args.port}")]
+    runs = [] if args.only_llama else [("minisgl", ours, f"http://127.0.0.1:{args.port}")]
     if args.llama_server:
         llama = [args.llama_server, "-m", str(args.model), "-t", str(args.threads)]
         llama += ["--parallel", str(args.concurrency), "-c", str(args.llama_ctx)]
