@@ -262,6 +262,37 @@ static PyObject *mm(PyObject *self, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* dequant(codes, scale, offset, half, group, n0, n1, K, out): rows [n0, n1) of the weight
+ * as float32 [n1 - n0, K] (scale * code + offset, each rounded as gguf-py rounds them), for
+ * products of many rows, which torch's GEMM then runs faster than the integer kernels. */
+static PyObject *dequant(PyObject *self, PyObject *args) {
+  Py_ssize_t codes, scale, offset, half, group, n0, n1, K, out;
+  if (!PyArg_ParseTuple(args, "nnnnnnnnn", &codes, &scale, &offset, &half, &group, &n0, &n1, &K,
+                        &out))
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  const int64_t per = group ? group : QK, G = K / per;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = n0; n < n1; n++) {
+    float *o = (float *)out + (n - n0) * K;
+    for (int64_t g = 0; g < G; g++) {
+      const float sc = load_scale((const void *)scale, n * G + g, (int)half);
+      if (!group) {
+        const float off = load_scale((const void *)offset, n * G + g, (int)half);
+        const uint8_t *c = (const uint8_t *)codes + n * (K / 2) + g * 16;
+        for (int j = 0; j < 16; j++) {
+          o[g * QK + j] = sc * (float)(c[j] & 15) + off;
+          o[g * QK + j + 16] = sc * (float)(c[j] >> 4) + off;
+        }
+      } else {
+        const int8_t *c = (const int8_t *)codes + n * K + g * per;
+        for (int64_t j = 0; j < per; j++) o[g * per + j] = sc * (float)c[j];
+      }
+    }
+  }
+  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 /* 2. The float32 CPU path's fused ops. */
 
 /* sum = x + residual (residual may be NULL: sum = x); out = weight * (sum * rsqrt(mean(sum^2)
@@ -396,6 +427,7 @@ static PyObject *py_decode_attention(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"mm", mm, METH_VARARGS, "x W^T for a 4- or 8-bit weight (see cpu_kernels.c)"},
+    {"dequant", dequant, METH_VARARGS, "rows of a 4- or 8-bit weight as float32"},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "fused residual add + RMSNorm"},
     {"rope", py_rope, METH_VARARGS, "rotate-half RoPE in place"},
     {"decode_attention", py_decode_attention, METH_VARARGS, "one query row per request"},

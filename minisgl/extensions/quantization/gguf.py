@@ -27,7 +27,12 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from minisgl.extensions.quantization.gguf_blocks import SUPPORTED, split_blocks
-from minisgl.extensions.quantization.gguf_kernels import Segment, kernels_available, pack
+from minisgl.extensions.quantization.gguf_kernels import (
+    DEQUANT_MIN_ROWS,
+    Segment,
+    kernels_available,
+    pack,
+)
 from minisgl.layers.quantization import ShardFn
 
 
@@ -103,9 +108,13 @@ class GGUFMethod:
         k = xf.shape[-1]
         m = xf.numel() // k
         out = torch.empty(*x.shape[:-1], state.out_features, dtype=torch.float32)
-        xp, op = xf.data_ptr(), out.data_ptr()
-        for seg in state.segments:
-            seg.bound(seg.rows, state.out_features, xp, m, k, op + 4 * seg.start)
+        if m >= DEQUANT_MIN_ROWS:
+            for seg in state.segments:
+                seg.matmul_dequantized(xf.view(m, k), out.view(m, -1))
+        else:
+            xp, op = xf.data_ptr(), out.data_ptr()
+            for seg in state.segments:
+                seg.bound(seg.rows, state.out_features, xp, m, k, op + 4 * seg.start)
         if bias is not None:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -20,6 +20,12 @@ from minisgl.extensions.quantization.gguf_blocks import FOUR_BIT
 from minisgl.extensions.quantization.switches import GGUF_KERNELS
 from minisgl.kernels import cpu
 
+# From this many rows on, products dequantize tiles of this many weight rows to float32 and
+# multiply them with torch's GEMM (a 256-token prefill of the default model: 0.94 s on the
+# integer kernels, RESULTS.md).
+DEQUANT_MIN_ROWS = 32
+DEQUANT_TILE_ROWS = 2048
+
 
 def kernels_available() -> bool:
     """The C kernels are built, the CPU has AVX2, and MINISGL_GGUF_KERNELS is on."""
@@ -38,13 +44,26 @@ class Segment:
     offset: torch.Tensor  # 4-bit: like scale; 8-bit: empty
     group: int  # inputs per scale: 32, or 16 for Q6_K
     bound: Callable[..., None] = field(init=False, repr=False)  # the kernel, weight bound
+    bound_dequant: Callable[..., None] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # The weight's arguments bound once: a call passes the activations and output only.
         half = int(self.scale.dtype == torch.float16)
         offset = self.offset.data_ptr() if self.four_bit else 0
         weight = (self.codes.data_ptr(), self.scale.data_ptr(), offset, half)
-        self.bound = functools.partial(cpu.module().mm, *weight, 0 if self.four_bit else self.group)
+        group = 0 if self.four_bit else self.group
+        self.bound = functools.partial(cpu.module().mm, *weight, group)
+        self.bound_dequant = functools.partial(cpu.module().dequant, *weight, group)
+
+    def matmul_dequantized(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`matmul` for many rows: float32 tiles of the weight through torch's GEMM (the
+        integer kernels' work grows with the rows; a GEMM's per-row cost is far lower)."""
+        k = x.shape[1]
+        for n0 in range(0, self.rows, DEQUANT_TILE_ROWS):
+            n1 = min(self.rows, n0 + DEQUANT_TILE_ROWS)
+            w = torch.empty(n1 - n0, k)
+            self.bound_dequant(n0, n1, k, w.data_ptr())
+            out[:, self.start + n0 : self.start + n1] = x @ w.T
 
     def matmul(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[:, start:start + rows] = x W^T for float32 x [M, K] and out [M, N], both

@@ -99,6 +99,15 @@ def choices(out: Any, stream: bool, text: Any) -> list[tuple[int, str, str, list
     return sorted((i, *v) for i, v in got.items())
 
 
+def assert_same_choices(got: list[tuple[int, str, str, list[float]]], want: list) -> None:
+    """The same tokens, texts and finish reasons; logprobs within 2e-3. The default model's
+    GGUF products quantize activations (int16 per 32 inputs), so a request whose prefix the
+    other server had cached (or batched differently) can differ in the last digits."""
+    assert [c[:3] for c in got] == [c[:3] for c in want]
+    for g, w in zip(got, want, strict=True):
+        assert len(g[3]) == len(w[3]) and all(abs(a - b) <= 2e-3 for a, b in zip(g[3], w[3]))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_one_server(
     client: openai.OpenAI, one_server: openai.OpenAI, stream: bool
@@ -113,7 +122,7 @@ def test_chat_equals_one_server(
         return choices(out, stream, lambda ch: ch.delta.content if stream else ch.message.content)
 
     routed = ask(client)
-    assert routed == ask(one_server)
+    assert_same_choices(routed, ask(one_server))
     assert [c[2] for c in routed] == ["stop", "stop"] and all(c[3] for c in routed), routed
 
 
@@ -129,7 +138,8 @@ def test_completions_equal_one_server(
         return choices(out, stream, lambda ch: ch.text)
 
     routed = ask(client)
-    assert routed == ask(one_server) and all(c[3] for c in routed), routed
+    assert_same_choices(routed, ask(one_server))
+    assert all(c[3] for c in routed), routed
 
 
 def test_generate_equals_one_server(dp_server: ServerHandle, default_server: ServerHandle) -> None:

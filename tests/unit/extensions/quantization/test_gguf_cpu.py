@@ -92,6 +92,27 @@ def test_kernel_against_float64(qtype: Q, rows: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantized_tiles_for_many_rows(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl.extensions.quantization import gguf_kernels
+
+    monkeypatch.setattr(gguf_kernels, "DEQUANT_TILE_ROWS", 16)  # several tiles, a partial one
+    seg, w = _segment(qtype, 40, 768)
+    tile = torch.empty(40, 768)
+    seg.bound_dequant(0, 40, 768, tile.data_ptr())
+    # scale * code + offset as gguf-py computes it (Q4_0's offset form rounds differently).
+    torch.testing.assert_close(tile, w, rtol=1e-6 if qtype == Q.Q4_0 else 0, atol=0)
+    x = torch.randn(33, 768, generator=torch.Generator().manual_seed(0))
+    out = torch.full((33, 45), float("nan"))
+    seg.start = 2
+    seg.matmul_dequantized(x, out)
+    ref = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * 2e-5  # float32 GEMM over 768 inputs
+    assert ((out[:, 2:42].double() - ref).abs() <= bound).all()
+    assert out[:, :2].isnan().all() and out[:, 42:].isnan().all()
+
+
+@needs_kernels
 def test_mixed_runs_are_merged_by_layout() -> None:
     rng = np.random.default_rng(1)
     parts = []
