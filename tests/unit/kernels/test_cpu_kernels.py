@@ -68,6 +68,7 @@ def test_decode_attention_against_sdpa() -> None:
         torch.testing.assert_close(out[b].view(hq, d), want.squeeze(1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the default model end to end; the kernels' own tests above are everyday
 def test_default_model_greedy_and_logprobs_with_and_without_the_kernels() -> None:
     """The kernels change float32 summation order only: same greedy tokens (prefill and
     decode steps, three requests batched), logprobs close (the GGUF products quantize their
