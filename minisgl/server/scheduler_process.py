@@ -127,7 +127,11 @@ class SchedulerLoop:
         # it passes on any request), and load it ahead when idle; ranks on other nodes have no
         # such copy (nor worker) and load the tokenizer themselves, if a request needs it.
         on_node0 = Topology.of(args.config).node_of(engine.tp.rank) == 0
-        self.tokenizer_copy = Path(args.tokenizer_copy_dir) if on_node0 else None
+        # Loaded while idle on GPU hosts, so that the first stop string costs no load; a CPU
+        # engine loads it when a request needs it (transformers and the vocabulary are a
+        # large share of its small resident set: benchmark/RESULTS.md).
+        warm = on_node0 and engine.device.type == "cuda"
+        self.tokenizer_copy = Path(args.tokenizer_copy_dir) if warm else None
         source = args.tokenizer_copy_dir if on_node0 else args.config.tokenizer
         self.decoder = TokenizerDecoder(load=partial(load_tokenizer, engine.resolved, source))
         self.scheduler = Scheduler(engine, decode=self.decoder)
