@@ -93,7 +93,8 @@ class EngineConfig:
     cpu_kv_cache_gb: float = option(1.0, "CPU: KV pool budget in GiB")
     cpu_threads: int | None = option(
         None,
-        "CPU: threads of the engine, its TP ranks' together (default: the physical cores)",
+        "CPU: threads of the engine, its TP ranks' together (default: the physical cores, or "
+        "OMP_NUM_THREADS where that is fewer)",
         low=1,
     )
     # None: 1024 on CUDA (a wave of admissions rarely waits for a slot: measured on the H200

@@ -66,13 +66,19 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+# torch's thread count when this process started: the physical cores, or what
+# OMP_NUM_THREADS asks for (a data-parallel replica's share, a test worker's one thread).
+_STARTING_THREADS = torch.get_num_threads()
+
+
 def share_cpu_threads(config: EngineConfig, device: torch.device) -> None:
-    """On CPU, set this process's torch (and OpenMP) threads once: ``--cpu-threads`` (default
-    the physical cores) shared by the node's TP ranks, since oversubscribed threads slow every
-    rank down (and a collective waits for the slowest)."""
+    """On CPU, set this process's torch (and OpenMP) threads once: ``--cpu-threads`` (default:
+    torch's own count, the physical cores unless OMP_NUM_THREADS says otherwise) shared by the
+    node's TP ranks, since oversubscribed threads slow every rank down (and a collective
+    waits for the slowest)."""
     if device.type != "cpu":
         return
-    total = config.cpu_threads or physical_cores()
+    total = config.cpu_threads or min(_STARTING_THREADS, physical_cores())
     torch.set_num_threads(max(1, total // Topology.of(config).ranks_per_node))
 
 
