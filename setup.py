@@ -15,8 +15,17 @@ ext_modules = (
     [
         Extension(
             "minisgl.kernels._cpu",
-            sources=["csrc/cpu_kernels.c"],
-            extra_compile_args=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off"],
+            sources=["csrc/cpu_kernels.c", "csrc/cpu_stack.c"],
+            depends=["csrc/cpu_kernels.h"],
+            extra_compile_args=[
+                "-O3",
+                "-mavx2",
+                "-mfma",
+                "-mf16c",
+                "-fopenmp",
+                "-ffp-contract=off",
+                "-fvisibility=hidden",
+            ],
             extra_link_args=["-fopenmp"],
             optional=True,
         )

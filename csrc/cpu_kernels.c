@@ -25,8 +25,8 @@
  * Threads: OpenMP over output rows; torch's own libgomp (loaded first, same soname) is
  * the runtime, so torch.set_num_threads sets ours too.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "cpu_kernels.h"
+
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -94,13 +94,6 @@ static inline __m256 group_q4(const uint8_t *codes, const int16_t *x) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(dot16(lo, 0, x), dot16(hi, 0, x + 16)));
 }
 
-typedef struct {
-  const uint8_t *codes;
-  const void *scale;
-  const void *offset; /* q4 only */
-  int half;           /* scales stored as fp16 */
-  int group;          /* q8: 16 or 32 */
-} Weights;
 
 /* One weight row against mb (a compile-time constant after inlining) activation rows, two
  * groups per step into separate accumulators: the FMA chains stay in registers and overlap. */
@@ -165,35 +158,77 @@ INLINE void row_q4_mb(const Weights *w, int64_t n, const ActQ *a, int64_t m0, co
   for (int i = 0; i < mb; i++) out[(m0 + i) * ldo + n] = hsum(_mm256_add_ps(acc0[i], acc1[i])) + off[i];
 }
 
-/* One 32-input group of an 8-bit row: 16 inputs per half, each half with its scale. */
-INLINE __m256 group_q8(const int8_t *codes, const int16_t *x, __m256 s_lo, __m256 s_hi,
-                       __m256 acc) {
+/* 32 int8 weights times 32 int16 activations: 8 int32 partial sums. */
+INLINE __m256i dot32_q8(const int8_t *codes, const int16_t *x) {
   const __m128i lo = _mm_loadu_si128((const __m128i *)codes);
   const __m128i hi = _mm_loadu_si128((const __m128i *)(codes + 16));
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(lo, 1, x)), s_lo, acc);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(hi, 1, x + 16)), s_hi, acc);
+  return _mm256_add_epi32(dot16(lo, 1, x), dot16(hi, 1, x + 16));
 }
 
+/* Before a row's groups: comb[h] = its weight scale times its activation group's d, for each
+ * of the row's scales (G of them for Q8_0, 2G for Q6_K's 16-input scales); 8 at once. */
+INLINE void q8_row_scales(const Weights *w, int64_t srow, int64_t G, const float *d,
+                          float *comb) {
+  int64_t h = 0;
+  if (w->group == QK) {
+    for (; h + 8 <= G; h += 8)
+      _mm256_storeu_ps(comb + h, _mm256_mul_ps(load8_scales(w->scale, srow + h, w->half),
+                                               _mm256_loadu_ps(d + h)));
+    for (; h < G; h++) comb[h] = load_scale(w->scale, srow + h, w->half) * d[h];
+    return;
+  }
+  for (; h + 8 <= 2 * G; h += 8) { /* d of groups h/2 .. h/2 + 3, each twice */
+    const __m128 d4 = _mm_loadu_ps(d + h / 2);
+    const __m256 dd = _mm256_set_m128(_mm_unpackhi_ps(d4, d4), _mm_unpacklo_ps(d4, d4));
+    _mm256_storeu_ps(comb + h, _mm256_mul_ps(load8_scales(w->scale, srow + h, w->half), dd));
+  }
+  for (; h < 2 * G; h++) comb[h] = load_scale(w->scale, srow + h, w->half) * d[h / 2];
+}
+
+/* An 8-bit row: Q8_0 (one scale per 32 inputs) as one integer dot product and one FMA per
+ * group; Q6_K (a scale per 16) as two, one per half. */
 INLINE void row_q8_mb(const Weights *w, int64_t n, const ActQ *a, int64_t m0, const int mb,
                       int64_t K, float *out, int64_t ldo) {
   const int64_t G = K / QK;
   const int per = QK / w->group; /* weight scales per activation group: 1 or 2 */
   const int8_t *codes = (const int8_t *)w->codes + n * K;
-  const int64_t srow = n * (K / w->group);
-  float comb[MB * 2 * G]; /* per 16-input half: its weight scale times its group's d */
+  float comb[MB * 2 * G];
   __m256 acc0[MB], acc1[MB];
   for (int i = 0; i < mb; i++) {
-    const float *d = a->d + (m0 + i) * G;
-    float *c = comb + i * 2 * G;
-    for (int64_t h = 0; h < 2 * G; h++) c[h] = load_scale(w->scale, srow + h * per / 2, w->half) * d[h / 2];
+    q8_row_scales(w, n * per * G, G, a->d + (m0 + i) * G, comb + i * per * G);
     acc0[i] = acc1[i] = _mm256_setzero_ps();
   }
-  for (int64_t g = 0; g < G; g++) {
-    for (int i = 0; i < mb; i++) {
-      const int16_t *x = a->q + ((m0 + i) * G + g) * QK;
-      const float *c = comb + i * 2 * G + 2 * g;
-      __m256 *acc = (g & 1) ? &acc1[i] : &acc0[i];
-      *acc = group_q8(codes + g * QK, x, _mm256_broadcast_ss(c), _mm256_broadcast_ss(c + 1), *acc);
+  if (per == 1) {
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+      for (int i = 0; i < mb; i++) {
+        const int16_t *x = a->q + ((m0 + i) * G + g) * QK;
+        const float *c = comb + i * G + g;
+        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_q8(codes + g * QK, x)),
+                                  _mm256_broadcast_ss(c), acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_q8(codes + g * QK + QK, x + QK)),
+                                  _mm256_broadcast_ss(c + 1), acc1[i]);
+      }
+    }
+    for (; g < G; g++) {
+      for (int i = 0; i < mb; i++) {
+        const int16_t *x = a->q + ((m0 + i) * G + g) * QK;
+        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_q8(codes + g * QK, x)),
+                                  _mm256_broadcast_ss(comb + i * G + g), acc0[i]);
+      }
+    }
+  } else {
+    for (int64_t g = 0; g < G; g++) {
+      const __m128i lo = _mm_loadu_si128((const __m128i *)(codes + g * QK));
+      const __m128i hi = _mm_loadu_si128((const __m128i *)(codes + g * QK + 16));
+      for (int i = 0; i < mb; i++) {
+        const int16_t *x = a->q + ((m0 + i) * G + g) * QK;
+        const float *c = comb + i * 2 * G + 2 * g;
+        acc0[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(lo, 1, x)), _mm256_broadcast_ss(c),
+                                  acc0[i]);
+        acc1[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(hi, 1, x + 16)),
+                                  _mm256_broadcast_ss(c + 1), acc1[i]);
+      }
     }
   }
   for (int i = 0; i < mb; i++) out[(m0 + i) * ldo + n] = hsum(_mm256_add_ps(acc0[i], acc1[i]));
@@ -243,6 +278,11 @@ static int run(RowFn fn, const Weights *w, const float *x, int64_t M, int64_t K,
   }
   free(a.q), free(a.d), free(a.dsum);
   return 0;
+}
+
+int quant_mm(const Weights *w, int four_bit, const float *x, int64_t M, int64_t K, int64_t N,
+             float *out, int64_t ldo) {
+  return run(four_bit ? row_q4 : row_q8, w, x, M, K, N, out, ldo);
 }
 
 /* mm(codes, scale, offset, half, group, N, ldo, x, M, K, out): out[m, n] (row stride ldo)
@@ -297,7 +337,7 @@ static PyObject *dequant(PyObject *self, PyObject *args) {
 
 /* sum = x + residual (residual may be NULL: sum = x); out = weight * (sum * rsqrt(mean(sum^2)
  * + eps)), per row of H: torch's RMSNorm of the sum, in its order of operations. */
-static void add_rms_norm(const float *x, const float *res, const float *w, float eps, int64_t T,
+void add_rms_norm(const float *x, const float *res, const float *w, float eps, int64_t T,
                          int64_t H, float *out, float *sum) {
 #pragma omp parallel for schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; t++) {
@@ -318,7 +358,7 @@ static void add_rms_norm(const float *x, const float *res, const float *w, float
 
 /* Rotate heads [h0, h1) of every token in place (rotate-half RoPE, HF's order): x * cos +
  * cat(-x2, x1) * sin, each product rounded before the sum as torch computes it. */
-static void rope(float *base, int64_t T, int64_t stride, int64_t h0, int64_t h1, int64_t D,
+void rope(float *base, int64_t T, int64_t stride, int64_t h0, int64_t h1, int64_t D,
                  const int64_t *pos, const float *cos_t, const float *sin_t) {
   const int64_t half = D / 2;
 #pragma omp parallel for schedule(static) if (T > 4)
@@ -356,7 +396,7 @@ static inline void axpy_f32(float p, const float *x, float *y, int64_t D) {
 
 /* One query row per request: out[b, h] = softmax(scale * q k^T) v over the request's
  * seq_lens[b] cached tokens, found through kv_index[b, :] (slot of each position). */
-static void decode_attention(const float *q, float *kc, float *vc, const int64_t *kv_index,
+void decode_attention(const float *q, float *kc, float *vc, const int64_t *kv_index,
                              int64_t kv_stride, const int64_t *seq_lens, float scale, int64_t B,
                              int64_t Hq, int64_t Hk, int64_t D, float *out, const float *k_new,
                              const float *v_new, const int64_t *new_slots) {
@@ -431,6 +471,9 @@ static PyMethodDef methods[] = {
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "fused residual add + RMSNorm"},
     {"rope", py_rope, METH_VARARGS, "rotate-half RoPE in place"},
     {"decode_attention", py_decode_attention, METH_VARARGS, "one query row per request"},
+    {"stack_new", py_stack_new, METH_VARARGS, "a decoder stack's plan (cpu_stack.c)"},
+    {"stack_set_layer", py_stack_set_layer, METH_VARARGS, "one layer of a stack's plan"},
+    {"stack_forward", py_stack_forward, METH_VARARGS, "decode rows through the stack"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -156,5 +156,8 @@ TRITON_INTERPRET = text("TRITON_INTERPRET", "Triton's CPU interpreter (tests)", 
 CPU_KERNELS = flag(
     "CPU_KERNELS", True, "CPU: fused C kernels for add+RMSNorm, RoPE and decode attention"
 )
+CPU_STACK = flag(
+    "CPU_STACK", True, "CPU: a decode step's decoder layers in one C call (packed GGUF weights)"
+)
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

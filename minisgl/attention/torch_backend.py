@@ -122,6 +122,17 @@ class TorchBackend(AttentionBackend):
             out[g.tokens] = o
         return out
 
+    def cpu_decode_rows(self, metadata: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(kv_index [B, *] int64, seq_lens [B] int64) where every row of the step decodes one
+        token from a float32 pool on the CPU (what the C kernels read), else None."""
+        md = metadata
+        if not isinstance(md, TorchMetadata) or len(md.groups) != 1:
+            return None
+        g = md.groups[0]
+        if g.max_q != 1 or g.tokens is not None or self.pool.dtype != torch.float32:
+            return None
+        return g.kv_index, g.seq_lens
+
     def _decodes_on_cpu(self, q: torch.Tensor, g: PaddedGroup) -> bool:
         return g.max_q == 1 and g.tokens is None and cpu.fused_ok(q) and self.pool.dtype == q.dtype
 

@@ -29,6 +29,7 @@ too.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from minisgl.extension_loader import load_extensions
@@ -97,6 +98,28 @@ class ExpertQuantMethod(QuantMethod, Protocol):
 
     def finish_expert_weights(self, moe: nn.Module, name: str, dtype: torch.dtype) -> None:
         """After loading: ``name`` becomes a float parameter in ``dtype``."""
+        ...
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """A linear layer's packed weight as csrc/cpu_kernels.c reads it: segments of rows of one
+    kind, each (codes, scale, offset, fp16 scales, group (0: 4-bit rows), first row, rows),
+    the first three as data pointers that stay valid while the layer lives."""
+
+    out_features: int
+    in_features: int
+    segments: tuple[tuple[int, int, int, int, int, int, int], ...]
+    max_rows: int  # the method runs these kernels for products of at most this many rows
+
+
+@runtime_checkable
+class CpuKernelQuantMethod(QuantMethod, Protocol):
+    """A method whose packed weights the C kernels read directly (the one-call CPU decode
+    stack, models/cpu_stack.py)."""
+
+    def kernel_weights(self, layer: nn.Module) -> KernelWeights | None:
+        """``layer``'s weight for the kernels, or None where it is not packed for them."""
         ...
 
 

@@ -19,6 +19,7 @@ from minisgl.layers.norm import RMSNorm
 from minisgl.layers.quantization import EmbeddingQuantMethod
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
+from minisgl.models.cpu_stack import CpuDecodeStack
 
 
 def _embed_quant(cfg: ModelConfig) -> EmbeddingQuantMethod | None:
@@ -82,12 +83,18 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
+        self.cpu_stack = CpuDecodeStack()  # every layer in one C call, where it can
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids, reduce=False)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         residual: torch.Tensor | None = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch)
+        stacked = self.cpu_stack.run(layers, x, batch) if x.device.type == "cpu" else None
+        if stacked is not None:
+            x, residual = stacked
+        else:
+            for layer in layers:
+                x, residual = layer(x, residual, batch)
         x, _ = self.norm.forward_with_residual(x, residual, self.tp)
         return x
 

@@ -33,7 +33,7 @@ from minisgl.extensions.quantization.gguf_kernels import (
     kernels_available,
     pack,
 )
-from minisgl.layers.quantization import ShardFn
+from minisgl.layers.quantization import KernelWeights, ShardFn
 
 
 @dataclass
@@ -118,6 +118,14 @@ class GGUFMethod:
         if bias is not None:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def kernel_weights(self, layer: nn.Module) -> KernelWeights | None:
+        """The packed segments (layers/quantization.py's CpuKernelQuantMethod)."""
+        state = _state(layer)
+        if not state.segments:
+            return None
+        segments = tuple(seg.kernel_segment() for seg in state.segments)
+        return KernelWeights(state.out_features, state.in_local, segments, DEQUANT_MIN_ROWS - 1)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the layer's weight, dequantized (the embedding lookup)."""

@@ -55,6 +55,14 @@ class Segment:
         self.bound = functools.partial(cpu.module().mm, *weight, group)
         self.bound_dequant = functools.partial(cpu.module().dequant, *weight, group)
 
+    def kernel_segment(self) -> tuple[int, int, int, int, int, int, int]:
+        """This segment as the C decode stack takes it (layers/quantization.py)."""
+        half = int(self.scale.dtype == torch.float16)
+        offset = self.offset.data_ptr() if self.four_bit else 0
+        group = 0 if self.four_bit else self.group
+        weight = (self.codes.data_ptr(), self.scale.data_ptr(), offset, half, group)
+        return (*weight, self.start, self.rows)
+
     def matmul_dequantized(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """`matmul` for many rows: float32 tiles of the weight through torch's GEMM (the
         integer kernels' work grows with the rows; a GEMM's per-row cost is far lower)."""
