@@ -78,12 +78,13 @@ class KVManager:
             return False
         req.row = self.free_rows.pop()
         match = self.cached_prefix(req)
+        host = req.counters.get(HOST_CACHED_TOKENS, 0)
         if match.host_length:  # part of the prefix is in the tier only: copy it back
             device = match.length
             match = self.cache.load(match)
-            if not req.admitted_once:
-                loaded = req.counters.get(HOST_CACHED_TOKENS, 0) + match.length - device
-                req.counters[HOST_CACHED_TOKENS] = loaded
+            host = max(host, match.length - device)
+        if host and not req.admitted_once:  # a share of cached_tokens (admission.py)
+            req.counters[HOST_CACHED_TOKENS] = min(host, match.length)
         self.cache.lock(match.node)
         req.tree_node, req.tree_len = match.node, match.length
         req.kv_len = req.alloc_len = match.length
