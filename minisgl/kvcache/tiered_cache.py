@@ -12,9 +12,8 @@ subtree, least recently used first: a prefix leaves the device from its end.
   tree, a node also on the device only loses its tier copy. Locked nodes are kept.
 - Matching walks both tiers: the device part is the match, the tier-only part below it its
   ``host_length``; `load` gives that part device pages and copies it back.
-- Inserting over tier-only nodes hands them the caller's device pages (KV it recomputed)
-  and frees their tier copy, so a node's two copies always hold one copy's bytes.
-"""
+- Inserting over tier-only nodes hands them the caller's device pages (KV it recomputed) and
+  frees their tier copy, so a node's two copies always hold one copy's bytes."""
 
 from __future__ import annotations
 
@@ -250,7 +249,7 @@ class TieredRadixCache(RadixCache):
         del parent.children[self._page_key(node.key, 0)]
         node.parent = None  # makes a stale handle fail loudly in lock()/unlock()
 
-    def _iter_nodes(self) -> Iterable[RadixNode]:
+    def _iter_nodes(self) -> Iterable[RadixNode]:  # every node but the root
         stack = list(self._root.children.values())
         while stack:
             node = stack.pop()
