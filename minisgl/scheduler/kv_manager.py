@@ -54,6 +54,8 @@ class KVManager:
         self.reuse = cache_kind == "radix"
         self.free_rows = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
+        # Tokens of the last admitted prefix left in the tier for want of device pages.
+        self.left_in_tier = 0
         # (row index, column index) tensors of host entries to mirror to the device
         self._dirty: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -83,6 +85,7 @@ class KVManager:
             device = match.length
             match = self.cache.load(match)
             host = max(host, match.length - device)
+        self.left_in_tier = match.host_length
         if host and not req.admitted_once:  # a share of cached_tokens (admission.py)
             req.counters[HOST_CACHED_TOKENS] = min(host, match.length)
         self.cache.lock(match.node)

@@ -84,18 +84,17 @@ class HostTier:
     # ------------------------------------------------------------ copies
     def save(self, device_pages: torch.Tensor, tier_pages: torch.Tensor) -> None:
         src, dst = self.slots(device_pages), self.slots(tier_pages)
-        if self.cuda:
-            data = _raw(self.pool.buffer)[:, :, src.to(self.pool.buffer.device)].cpu()
-        else:
-            data = _raw(self.pool.buffer)[:, :, src]
-        _raw(self.buffer)[:, :, dst] = data
+        device = _raw(self.pool.buffer)
+        data = device.index_select(2, src.to(device.device))
+        # index_copy_, not an indexed assignment: that would copy the whole pool (dim 2).
+        _raw(self.buffer).index_copy_(2, dst, data.cpu() if self.cuda else data)
         self._count(SAVED, dst.numel())
         self._count(TO_HOST, device_pages.numel() * self.page_bytes)
 
     def load(self, tier_pages: torch.Tensor, device_pages: torch.Tensor) -> None:
         src, dst = self.slots(tier_pages), self.slots(device_pages)
         if self._stream is None:
-            _raw(self.pool.buffer)[:, :, dst] = _raw(self.buffer)[:, :, src]
+            _raw(self.pool.buffer).index_copy_(2, dst, _raw(self.buffer).index_select(2, src))
         else:
             self._load_layers(src, dst, self._stream)
         self._count(LOADED, dst.numel())
@@ -109,7 +108,7 @@ class HostTier:
         with torch.cuda.stream(stream):
             index = dst.pin_memory().to(device, non_blocking=True)
             for layer in range(self.pool.num_layers):
-                chunk = _raw(self.buffer)[:, layer, src].pin_memory()  # gathered on the host
+                chunk = _raw(self.buffer)[:, layer].index_select(1, src).pin_memory()
                 staged.append(chunk)
                 _raw(self.pool.buffer)[:, layer].index_copy_(
                     1, index, chunk.to(device, non_blocking=True)
