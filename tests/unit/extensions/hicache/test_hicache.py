@@ -175,3 +175,30 @@ def test_tp2_outputs_identical(
         assert tokens == references[4]
         assert any(r["host_cached_tokens"] > 0 for r in last)
         assert_engine_clean(llm)
+
+
+def test_speculation(tiny_models: dict[str, Path]) -> None:
+    """N-gram speculation (no K/V of its own) keeps its tokens with host hits; a draft model,
+    whose K/V the host tier does not hold, is refused at startup."""
+    path = str(tiny_models["llama"])
+    llm = make_llm(tiny_models["llama"], hicache_size=0.01, speculative_algorithm="ngram", **BASE)
+    tokens, _ = conversations(llm, turns=2)
+    ref = make_llm(tiny_models["llama"], num_pages=4096)
+    assert tokens == conversations(ref, turns=2)[0]
+    assert llm.scheduler.totals["hicache_loaded_tokens"] > 0
+    with pytest.raises(ValueError, match="speculative_draft_model is invalid with a host KV"):
+        LLM(path, hicache_size=0.01, speculative_draft_model=path)
+
+
+def test_reports() -> None:
+    """What the server adds to usage / meta_info and what LLM results carry."""
+    from minisgl.config import EngineConfig
+    from minisgl.extensions.hicache.report import counter_report, usage_report
+
+    report = usage_report([{"host_cached_tokens": 48}, {"host_cached_tokens": 32}])
+    assert report is not None
+    assert report.usage == report.meta_info == {"host_cached_tokens": 48}
+    assert usage_report([{}]) is None
+    assert counter_report(EngineConfig.from_kwargs(), {}) == {}
+    on = EngineConfig.from_kwargs(hicache_size=0.01)
+    assert counter_report(on, {}) == {"host_cached_tokens": 0}
