@@ -2,8 +2,10 @@
 between the two.
 
 On CPU the host pool is a plain second pool and both copies are synchronous. On CUDA it is
-pinned; a save (device to host) runs on the compute stream, so it reads a page after every
-write launched before it, then waits for the bytes (the host scatters them into its pages).
+pinned; a save (device to host) gathers the pages on the compute stream, so it reads a page
+after every write launched before it, into pinned staging, without waiting: the host
+scatters the bytes into its pages once they have landed (at a later save), or waits for
+them before a load reads the host pages. CPU saves take the same deferred path.
 A load (host to device) runs on a side stream, layer by layer, one event per layer: the
 first layers compute while later layers are still copied, and attention waits on its
 layer's event (`KVPool.wait_layer`). The side stream first waits for the compute stream,
@@ -52,6 +54,8 @@ class HostTier:
         self.totals: dict[str, int] = {}
         self._stream = torch.cuda.Stream(pool.buffer.device) if self.cuda else None
         self._staged: list[torch.Tensor] = []  # a load's host buffers, alive while it copies
+        # Saves whose bytes are not in the host pages yet: (host slots, bytes, CUDA event).
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
 
     def _count(self, name: str, n: int) -> None:
         self.totals[name] = self.totals.get(name, 0) + n
@@ -83,15 +87,39 @@ class HostTier:
 
     # ------------------------------------------------------------ copies
     def save(self, device_pages: torch.Tensor, tier_pages: torch.Tensor) -> None:
+        self._settle(wait=False)
         src, dst = self.slots(device_pages), self.slots(tier_pages)
         device = _raw(self.pool.buffer)
         data = device.index_select(2, src.to(device.device))
-        # index_copy_, not an indexed assignment: that would copy the whole pool (dim 2).
-        _raw(self.buffer).index_copy_(2, dst, data.cpu() if self.cuda else data)
+        event = None
+        if self.cuda:  # to pinned staging on the compute stream, without waiting
+            staged = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True)
+            data = staged.copy_(data, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append((dst, data, event))
         self._count(SAVED, dst.numel())
         self._count(TO_HOST, device_pages.numel() * self.page_bytes)
 
+    def settle(self) -> None:
+        """Every save's bytes in the host pages (waiting for them on CUDA)."""
+        self._settle(wait=True)
+
+    def _settle(self, wait: bool) -> None:
+        """Scatter saved bytes into the host pages, oldest first (a page freed and saved
+        again takes the later bytes); without ``wait``, only those already on the host."""
+        while self._pending:
+            dst, data, event = self._pending[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            # index_copy_, not an indexed assignment: that would copy the whole pool (dim 2).
+            _raw(self.buffer).index_copy_(2, dst, data)
+            self._pending.pop(0)
+
     def load(self, tier_pages: torch.Tensor, device_pages: torch.Tensor) -> None:
+        self.settle()
         src, dst = self.slots(tier_pages), self.slots(device_pages)
         if self._stream is None:
             _raw(self.pool.buffer).index_copy_(2, dst, _raw(self.buffer).index_select(2, src))

@@ -66,6 +66,7 @@ def node_tokens(node: RadixNode) -> list[int]:
 def check_contents(cache: TieredRadixCache) -> None:
     tier = cache.tier
     assert isinstance(tier, HostTier)
+    tier.settle()  # saves reach the host pages late (as on CUDA)
     for node in cache._iter_nodes():
         tokens = node_tokens(node)
         start = len(tokens) - len(node.key)
