@@ -270,6 +270,7 @@ class Engine:
         order, so a decode batch may replay a captured CUDA graph."""
         runner = self.graph_runner
         if runner is not None:
+            self.pool.wait_all_layers()  # a graph cannot wait per layer for a tier's loads
             if graph_ok and runner.can_run(layout):
                 return runner.run(layout, ids, pos, slots)
             if runner.can_run_extend(layout, logits_index.shape[0]):

@@ -35,6 +35,19 @@ class KVPool:
         self.buffer = torch.zeros(
             2, num_layers, self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        # One event per layer of KV being copied in on a side stream (a tier loading a
+        # prefix back, tier.py); attention waits on its layer's. None: nothing ever loaded.
+        self.layer_events: list[torch.cuda.Event] | None = None
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait until ``layer``'s K/V copied in has landed."""
+        if self.layer_events is not None:
+            torch.cuda.current_stream().wait_event(self.layer_events[layer])
+
+    def wait_all_layers(self) -> None:
+        """Before a CUDA graph replays: the graph cannot wait per layer."""
+        if self.layer_events is not None:
+            torch.cuda.current_stream().wait_event(self.layer_events[-1])
 
     def k(self, layer: int) -> torch.Tensor:
         return self.buffer[0, layer]

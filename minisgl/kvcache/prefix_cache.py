@@ -5,11 +5,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
-
-from minisgl.kvcache.allocator import PageAllocator
 
 
 @dataclass(frozen=True)
@@ -17,12 +15,16 @@ class MatchResult:
     """The longest page-aligned cached prefix of a token sequence.
 
     ``node`` is an opaque handle to pass to ``lock``/``unlock``; ``slots`` holds
-    the token slots (int64, CPU) of the first ``length`` tokens.
+    the token slots (int64, CPU) of the first ``length`` tokens. With a second tier
+    (tier.py), the next ``host_length`` tokens are cached only there, down to
+    ``host_node``: ``PrefixCache.load`` brings them to the device.
     """
 
     node: object
     length: int
     slots: torch.Tensor
+    host_length: int = 0
+    host_node: object = None
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,16 @@ def empty_slots() -> torch.Tensor:
     return torch.empty(0, dtype=torch.int64)
 
 
+class PagePool(Protocol):
+    """What the accounting check reads of a pool of pages (a `PageAllocator`, a tier)."""
+
+    num_pages: int
+
+    def free_pages_set(self) -> set[int]: ...
+
+
 def check_page_accounting(
-    allocator: PageAllocator, tree_pages: list[int], in_use_pages: Iterable[int]
+    allocator: PagePool, tree_pages: list[int], in_use_pages: Iterable[int]
 ) -> None:
     """Every page is in exactly one place: the free list, the cache, or a request."""
     free = allocator.free_pages_set()
@@ -75,6 +85,11 @@ class PrefixCache(ABC):
         """Longest page-aligned cached prefix; refreshes recency along the matched path.
 
         ``count=False`` leaves the hit-rate counters alone (internal re-lookups)."""
+
+    def load(self, match: MatchResult) -> MatchResult:
+        """Bring the match's tier-only part to the device (as much as device pages allow);
+        the match then covers it. Caches without a second tier have none."""
+        return match
 
     @abstractmethod
     def lock(self, node: object) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -28,28 +27,9 @@ from minisgl.kvcache.prefix_cache import (
     check_page_accounting,
     empty_slots,
 )
+from minisgl.kvcache.radix_node import PageKey, RadixNode, as_token_list, whole_pages
 
-# The first page of a node's key: the bare token for page_size 1, else a tuple.
-PageKey = int | tuple[int, ...]
-
-
-@dataclass(eq=False)
-class RadixNode:
-    key: list[int]
-    value: torch.Tensor  # int64 CPU token slots, len(value) == len(key)
-    parent: RadixNode | None  # None for the root and for evicted (detached) nodes
-    node_id: int  # unique; breaks timestamp ties in the eviction heap
-    children: dict[PageKey, RadixNode] = field(default_factory=dict)
-    ref_count: int = 0
-    last_access: int = 0
-
-
-def _as_token_list(token_ids: Sequence[int]) -> list[int]:
-    if isinstance(token_ids, list):
-        return token_ids  # never mutated; keys are built from slices (copies)
-    if isinstance(token_ids, (torch.Tensor, np.ndarray)):
-        return list(token_ids.tolist())
-    return list(token_ids)
+__all__ = ["RadixCache", "RadixNode"]
 
 
 class RadixCache(PrefixCache):
@@ -65,7 +45,7 @@ class RadixCache(PrefixCache):
         self._matched_tokens = 0
 
     def match_prefix(self, token_ids: Sequence[int], count: bool = True) -> MatchResult:
-        tokens = _as_token_list(token_ids)
+        tokens = as_token_list(token_ids)
         node, length, values = self._walk(tokens, self._aligned(len(tokens)))
         if count:
             self._looked_up_tokens += len(tokens)
@@ -74,7 +54,7 @@ class RadixCache(PrefixCache):
         return MatchResult(node=node, length=length, slots=slots)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
-        tokens = _as_token_list(token_ids)
+        tokens = as_token_list(token_ids)
         assert slots.dim() == 1 and slots.numel() == len(tokens), (
             f"insert: {slots.numel()} slots for {len(tokens)} tokens"
         )
@@ -166,7 +146,7 @@ class RadixCache(PrefixCache):
             cur = cur.parent
 
     def _move_pages(self, node: RadixNode, *, to_protected: bool) -> None:
-        pages = len(node.key) // self.page_size
+        pages = node.value.numel() // self.page_size  # on the device (tiered_cache.py)
         sign = 1 if to_protected else -1
         self._protected_pages += sign * pages
         self._evictable_pages -= sign * pages
@@ -216,7 +196,6 @@ class RadixCache(PrefixCache):
         return self._protected_pages
 
     def check_integrity(self, in_use_pages: Iterable[int] = ()) -> None:
-        ps = self.page_size
         root = self._root
         assert root.parent is None and not root.key and root.value.numel() == 0, "bad root"
         evictable = protected = 0
@@ -225,30 +204,9 @@ class RadixCache(PrefixCache):
         while stack:
             parent = stack.pop()
             for child_key, node in parent.children.items():
-                name = f"node {node.node_id}"
-                assert node.parent is parent, f"{name}: parent pointer mismatch"
-                assert node.key and len(node.key) % ps == 0, (
-                    f"{name}: key length {len(node.key)} not a positive multiple of {ps}"
-                )
-                assert node.value.dtype == torch.int64 and node.value.dim() == 1, (
-                    f"{name}: value must be a 1-D int64 tensor"
-                )
-                assert node.value.numel() == len(node.key), (
-                    f"{name}: key length {len(node.key)} != value length {node.value.numel()}"
-                )
-                assert self._page_key(node.key, 0) == child_key, f"{name}: wrong child key"
-                assert node.ref_count >= 0, f"{name}: negative ref count {node.ref_count}"
-                if parent is not root:
-                    assert parent.ref_count >= node.ref_count, (
-                        f"{name}: ref {node.ref_count} > parent ref {parent.ref_count}"
-                    )
-                    assert parent.last_access >= node.last_access, (
-                        f"{name}: more recent than its parent"
-                    )
-                pages = PageAllocator.slots_to_pages(node.value, ps)
-                expected = PageAllocator.pages_to_slots(pages, ps)
-                assert torch.equal(expected, node.value), f"{name}: value not whole pages"
-                tree_pages.extend(pages.tolist())
+                assert self._page_key(node.key, 0) == child_key, f"node {node.node_id}: child key"
+                pages = self._check_node(node, parent)
+                tree_pages.extend(pages)
                 if node.ref_count == 0:
                     evictable += len(pages)
                 else:
@@ -261,6 +219,30 @@ class RadixCache(PrefixCache):
             f"protected pages counter {self._protected_pages} != recomputed {protected}"
         )
         check_page_accounting(self.allocator, tree_pages, in_use_pages)
+
+    def _check_node(self, node: RadixNode, parent: RadixNode) -> list[int]:
+        """One node's invariants; returns the device pages it holds."""
+        ps, name = self.page_size, f"node {node.node_id}"
+        assert node.parent is parent, f"{name}: parent pointer mismatch"
+        assert node.key and len(node.key) % ps == 0, (
+            f"{name}: key length {len(node.key)} not a positive multiple of {ps}"
+        )
+        assert node.value.dtype == torch.int64 and node.value.dim() == 1, (
+            f"{name}: value must be a 1-D int64 tensor"
+        )
+        assert node.ref_count >= 0, f"{name}: negative ref count {node.ref_count}"
+        if parent is not self._root:
+            assert parent.ref_count >= node.ref_count, (
+                f"{name}: ref {node.ref_count} > parent ref {parent.ref_count}"
+            )
+            assert parent.last_access >= node.last_access, f"{name}: more recent than its parent"
+        return self._device_pages(node, name)
+
+    def _device_pages(self, node: RadixNode, name: str) -> list[int]:
+        assert node.value.numel() == len(node.key), (
+            f"{name}: key length {len(node.key)} != value length {node.value.numel()}"
+        )
+        return whole_pages(node.value, self.page_size, name)
 
     def reset(self) -> None:
         assert self._protected_pages == 0, "reset() while some prefix is still locked"

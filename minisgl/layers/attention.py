@@ -54,6 +54,7 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         backend = batch.attn_backend
+        backend.pool.wait_layer(self.layer_id)  # a prefix loaded back from a tier (HiCache)
         if backend.fused_kv_store:
             q = self._norm_rope_store(q, k, v, batch)
             out = backend.attend(q, self.layer_id, batch.attn_metadata, self.scale)

@@ -101,6 +101,12 @@ class Admission:
             if self.kv.reuse and _shares_uncached_prefix(req, admitted):
                 self.kv.release(req)
                 continue
+            if self.kv.left_in_tier and self.running:
+                # Part of its prefix is still in HiCache's host tier, short of device pages:
+                # wait for running requests to free some rather than recompute it.
+                self.kv.release(req)
+                self.blocked = self.policy.by_priority
+                break
             n = min(req.pending, budget)
             own = self.growth_pages(req)
             if not self._fits(req, n, own, reserve):

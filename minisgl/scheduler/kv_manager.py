@@ -16,6 +16,8 @@ from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
 from minisgl.kvcache.radix_cache import RadixCache, RadixNode
+from minisgl.kvcache.tier import HOST_CACHED_TOKENS, CacheTier
+from minisgl.kvcache.tiered_cache import TieredRadixCache
 from minisgl.scheduler.request import Req
 
 
@@ -28,6 +30,7 @@ class KVManager:
         max_requests: int,
         cache_kind: str,
         stager: DeviceStager | None = None,
+        tier: CacheTier | None = None,
     ) -> None:
         self.page_size = page_size
         self.stager = stager or DeviceStager(page_table.device)
@@ -42,12 +45,17 @@ class KVManager:
             else torch.zeros_like(page_table, device="cpu")
         )
         self.allocator = PageAllocator(num_pages, page_size)
-        self.cache: PrefixCache = (
-            RadixCache(self.allocator) if cache_kind == "radix" else NaiveCache(self.allocator)
-        )
+        self.tier = tier if cache_kind == "radix" else None  # HiCache's host tier (tier.py)
+        self.cache: PrefixCache = NaiveCache(self.allocator)
+        if self.tier is not None:
+            self.cache = TieredRadixCache(self.allocator, self.tier)
+        elif cache_kind == "radix":
+            self.cache = RadixCache(self.allocator)
         self.reuse = cache_kind == "radix"
         self.free_rows = list(range(max_requests - 1, -1, -1))
         self.max_requests = max_requests
+        # Tokens of the last admitted prefix left in the tier for want of device pages.
+        self.left_in_tier = 0
         # (row index, column index) tensors of host entries to mirror to the device
         self._dirty: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -72,6 +80,14 @@ class KVManager:
             return False
         req.row = self.free_rows.pop()
         match = self.cached_prefix(req)
+        host = req.counters.get(HOST_CACHED_TOKENS, 0)
+        if match.host_length:  # part of the prefix is in the tier only: copy it back
+            device = match.length
+            match = self.cache.load(match)
+            host = max(host, match.length - device)
+        self.left_in_tier = match.host_length
+        if host and not req.admitted_once:  # a share of cached_tokens (admission.py)
+            req.counters[HOST_CACHED_TOKENS] = min(host, match.length)
         self.cache.lock(match.node)
         req.tree_node, req.tree_len = match.node, match.length
         req.kv_len = req.alloc_len = match.length

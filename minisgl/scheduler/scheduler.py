@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from minisgl.engine.engine import Engine
+from minisgl.kvcache.tier import make_tier
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.admission import Admission
 from minisgl.scheduler.decode import DecodeRows
@@ -54,6 +55,7 @@ class Scheduler:
             engine.max_running_requests,
             cfg.cache,
             engine.stager,
+            make_tier(cfg, engine.pool),
         )
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -88,6 +90,8 @@ class Scheduler:
         self.totals: dict[str, int] = {}
         if self.speculator is not None:
             self.speculator.totals = self.totals
+        if self.kv.tier is not None:
+            self.kv.tier.totals = self.totals
 
     # ------------------------------------------------------------ requests
     def check_request(

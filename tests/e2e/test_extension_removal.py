@@ -101,6 +101,11 @@ PROBES: dict[str, Probe] = {
         "LLM(QUANTIZED)", "quantization_config.quant_method='gptq' is not supported"
     ),
     "data_parallel": Probe(flags=("--dp-size", "2")),
+    "hicache": Probe(
+        "LLM(MODEL, hicache_size=0.01)",
+        "unknown option(s): hicache_size",
+        ("--hicache-size", "0.01"),
+    ),
 }
 
 CHILD = """

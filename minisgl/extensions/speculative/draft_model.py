@@ -100,6 +100,13 @@ class _DraftState:
 
 class DraftModelSpeculator(SpeculatorBase):
     def __init__(self, engine: Engine, kv: KVManager) -> None:
+        if kv.tier is not None:
+            # A second KV tier (HiCache) saves and loads the target's pool only: a prefix
+            # loaded back would have no draft K/V.
+            raise ValueError(
+                "speculative_draft_model is invalid with a host KV tier (hicache_size > 0): "
+                "use speculative_algorithm ngram"
+            )
         super().__init__(engine)
         self.draft = make_draft_engine(engine)
         self.host_table = kv.host_table  # the scheduler's host copy of the shared page table
