@@ -157,4 +157,10 @@ CPU_KERNELS = flag(
     "CPU_KERNELS", True, "CPU: fused C kernels for add+RMSNorm, RoPE and decode attention"
 )
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
+FP8_KV_MODE = number(
+    "FP8_KV_MODE",
+    1,
+    "CUDA, fp8 KV cache, 16-bit model: how attention converts fp8 tiles (kernels/fp8_kv.py): "
+    "0 upcast to the model dtype, 1 cvt to float16, 2 / 3 bit moves to float16",
+)
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

@@ -54,7 +54,9 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         backend = batch.attn_backend
-        if backend.fused_kv_store:
+        pool, layer = backend.pool, self.layer_id
+        unscaled = pool.k_scales[layer] == 1.0 and pool.v_scales[layer] == 1.0
+        if backend.fused_kv_store and unscaled:  # the fused store writes unscaled values
             q = self._norm_rope_store(q, k, v, batch)
             out = backend.attend(q, self.layer_id, batch.attn_metadata, self.scale)
         else:
