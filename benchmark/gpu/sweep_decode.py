@@ -145,6 +145,34 @@ def sweep_case(name: str, case: Case, fp8: bool, has_modes: bool, copy_gbs: floa
     return rows
 
 
+def extend_timings(has_modes: bool) -> None:
+    """Prefill attention (extend kernel) over each cache type and fp8 mode: 8 fresh 1,024-
+    token prompts, and 4 chunks of 512 tokens after 2,048 cached ones."""
+    import triton.testing
+
+    from minisgl.attention.base import BatchLayout
+    from minisgl.attention.triton_backend import TritonBackend
+    from minisgl.kvcache.pool import KVPool
+
+    for prefix, ext in (([0] * 8, [1024] * 8), ([2048] * 4, [512] * 4)):
+        seq = [p + e for p, e in zip(prefix, ext)]
+        table = torch.randperm(sum(seq), device="cuda").to(torch.int32).view(len(seq), -1)
+        layout = BatchLayout(list(range(len(seq))), prefix, ext, table)
+        q = torch.randn(sum(ext), HQ, D, device="cuda", dtype=torch.bfloat16)
+        line = []
+        for kv_dtype, modes in ((torch.bfloat16, [0]), (torch.float8_e4m3fn, [0, 1, 2])):
+            pool = KVPool(1, sum(seq), 1, HK, D, kv_dtype, torch.device("cuda"))
+            pool.buffer.copy_(torch.randn(pool.buffer.shape, device="cuda").clamp(-8, 8))
+            for mode in modes if has_modes else [0]:
+                kw = {"fp8_mode": mode} if has_modes else {}
+                backend = TritonBackend(pool, **kw)  # type: ignore[arg-type]
+                md = backend.prepare(layout, torch.device("cuda"))
+                run = functools.partial(backend.attend, q, 0, md, D**-0.5)
+                ms = triton.testing.do_bench(run, warmup=5, rep=25, return_mode="median")
+                line.append(f"{str(kv_dtype)[6:]} m{mode} {ms * 1e3:.0f}us")
+        print(f"extend prefix {prefix[0]} + {ext[0]} x{len(ext)}: " + ", ".join(line), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default=None)
@@ -167,6 +195,7 @@ def main() -> None:
             rows += got
             report(name, "e4m3" if fp8 else "bf16", case.gb, got)
             del case
+    extend_timings(has_modes)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=0))
 
