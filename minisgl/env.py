@@ -159,8 +159,8 @@ CPU_KERNELS = flag(
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
 FP8_KV_MODE = number(
     "FP8_KV_MODE",
-    1,
+    0,
     "CUDA, fp8 KV cache, 16-bit model: how attention converts fp8 tiles (kernels/fp8_kv.py): "
-    "0 upcast to the model dtype, 1 cvt to float16, 2 / 3 bit moves to float16",
+    "0 upcast to the model dtype (untimed alternatives: 1 cvt, 2 / 3 bit moves, to float16)",
 )
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

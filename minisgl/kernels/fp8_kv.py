@@ -1,19 +1,26 @@
 """fp8 KV tiles (``--kv-cache-dtype fp8*``) as float16 operands of the attention dots.
 
-A plain ``.to(bf16)`` of an fp8 tile costs several conversion instructions per element
-pair (e4m3 -> f16 -> f32 -> bf16); conversions run at a fraction of the integer rate, and
-at memory speed they become the decode kernel's bound (an fp8 cache ran slower than bf16:
-RESULTS.md). Here the fp8 bytes become float16 by moving bits:
+A plain ``.to(bf16)`` of an fp8 tile costs several conversions per element (Triton 3.6's
+sm_90 SASS of the decode kernel: 256 ``F2F`` + 144 ``F2FP`` per thread and 128-token tile,
+e4m3 -> f16 -> f32 -> bf16), and Triton moves that cast after the shared-memory stage of the
+dot operand, where the transposed K tile is read back one byte per ``LDS.U8``: the likely
+reasons an fp8 cache decoded slower than bf16 (issue 25; not yet confirmed by a timing).
+Here the tiles become float16 on the loaded 16-byte vectors (inline PTX not marked pure,
+which Triton does not move), by the hardware ``cvt`` or by moving bits:
 
 * e5m2 is float16's top byte: ``f16 = byte << 8`` is exact.
 * e4m3fn's sign, 4 exponent and 3 mantissa bits shifted into float16's fields
-  (``sign << 8 | magnitude << 7``) give the float16 of ``value / 256`` exactly, subnormals
+  (``(byte & 0x80) << 8 | (byte & 0x7f) << 7``) give the float16 of ``value / 256`` exactly, subnormals
   included (e4m3's bias is 7, float16's 15; e4m3's smallest step 2^-9 / 256 = 2^-17 is a
   float16 subnormal). The 256 is folded into the softmax scale (K) and the output (V).
 
+Default: mode 0 (MINISGL_FP8_KV_MODE): modes 1-3 are checked under Triton's interpreter and
+compiled for sm_90 (their SASS: 16-byte loads, one ``F2FP.F16.E4M3.UNPACK_B`` per pair in
+mode 1, no byte-wide shared-memory reads) but not yet timed on a GPU.
+
 Modes (``KV_F16`` of the kernels): 0 = the tile upcast to q's dtype (the reference path),
 1 = the hardware conversion to float16 (one ``cvt`` per pair, sm_89+), 2 = the bit moves in
-PTX on packed registers (two byte permutes + three logic ops per four elements), 3 = the
+PTX on packed registers (two byte permutes and six logic ops per four elements), 3 = the
 same bit moves in plain Triton (the interpreter's form of mode 2). Modes 1 and 2 are
 inline PTX on the GPU and plain Triton in the interpreter.
 """
