@@ -160,4 +160,10 @@ CPU_STACK = flag(
     "CPU_STACK", True, "CPU: a decode step's decoder layers in one C call (packed GGUF weights)"
 )
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
+FP8_KV_MODE = number(
+    "FP8_KV_MODE",
+    0,
+    "CUDA, fp8 KV cache, 16-bit model: how attention converts fp8 tiles (kernels/fp8_kv.py): "
+    "0 upcast to the model dtype (untimed alternatives: 1 cvt, 2 / 3 bit moves, to float16)",
+)
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

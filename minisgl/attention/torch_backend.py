@@ -140,12 +140,11 @@ class TorchBackend(AttentionBackend):
         self, q_ext: torch.Tensor, layer_id: int, g: PaddedGroup, scale: float
     ) -> torch.Tensor:
         hq, d = q_ext.shape[1], q_ext.shape[2]
-        k_all = self.pool.k(layer_id)[g.kv_index]  # [B, max_kv, Hk, D]
-        v_all = self.pool.v(layer_id)[g.kv_index]
+        # [B, max_kv, Hk, D] as q's dtype (an fp8 cache upcast and times its scales)
+        k_all, v_all = self.pool.read(layer_id, g.kv_index, q_ext.dtype)
         hk = k_all.shape[2]
         q_pad = q_ext[g.q_pad_index].view(g.batch, g.max_q, hq, d).transpose(1, 2)
-        k_all = k_all.transpose(1, 2).to(q_ext.dtype)
-        v_all = v_all.transpose(1, 2).to(q_ext.dtype)
+        k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q_pad, k_all, v_all, attn_mask=g.mask, scale=scale, enable_gqa=hk != hq
         )

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -13,17 +11,21 @@ from minisgl.attention.triton_plan import (
     MIXED_DECODE_SPLITS,
     MIXED_SPLIT_TOKENS,
     ExtendGraphShape,
+    HostIndices,
     aligned_splits,
     decode_split_cap,
     decode_tiles,
     extend_tiles,
     plan_decode_splits,
 )
+from minisgl.env import FP8_KV_MODE
 from minisgl.kernels import cdiv
 from minisgl.kernels.attention import extend_attention
 from minisgl.kernels.decode_attention import decode_attention
+from minisgl.kernels.fp8_kv import UPCAST, KVRead
 from minisgl.kernels.staging import DeviceStager
 from minisgl.kernels.store import store_kv
+from minisgl.kvcache.kv_dtype import is_fp8
 from minisgl.kvcache.pool import KVPool
 
 
@@ -55,64 +57,6 @@ class TritonMetadata:
     packed: torch.Tensor  # the one device buffer every index tensor above is a view of
 
 
-@dataclass
-class _HostIndices:
-    """A batch's index lists on the host, in the order TritonMetadata's views take them."""
-
-    rows: list[int]
-    prefix: list[int]
-    ext: list[int]
-    seq: list[int]
-    starts: list[int]  # first flat token of each row
-    splits: list[int] = field(default_factory=list)
-    block_batch: list[int] = field(default_factory=list)  # extend query tiles: row
-    block_qstart: list[int] = field(default_factory=list)  # and first new token in it
-    dec_ids: list[int] = field(default_factory=list)  # a mixed batch's one-token rows:
-    dec_seq: list[int] = field(default_factory=list)  # page-table row, length and flat
-    dec_tok: list[int] = field(default_factory=list)  # token of each
-
-    @classmethod
-    def of(cls, layout: BatchLayout) -> _HostIndices:
-        starts = [0, *itertools.accumulate(layout.extend_lens)][:-1]
-        return cls(layout.req_rows, layout.prefix_lens, layout.extend_lens, layout.seq_lens, starts)
-
-    def split_extend(self, req_rows: list[int], block_m: int) -> None:
-        """Rows of new tokens into query tiles of ``block_m``; one-token rows (decodes riding
-        in a mixed batch) to the decode kernel."""
-        for i, e in enumerate(self.ext):
-            if e == 1:
-                self.dec_ids.append(req_rows[i])
-                self.dec_seq.append(self.seq[i])
-                self.dec_tok.append(self.starts[i])
-                continue
-            for q0 in range(0, e, block_m):
-                self.block_batch.append(i)
-                self.block_qstart.append(q0)
-
-    def pad_decode_rows(self, rows: int) -> None:
-        """Decode rows up to ``rows``: padding rows have 0 splits, so every program of
-        theirs returns at once."""
-        n_pad = rows - len(self.dec_ids)
-        self.dec_ids, self.dec_tok = self.dec_ids + [0] * n_pad, self.dec_tok + [0] * n_pad
-        self.dec_seq = self.dec_seq + [0] * n_pad
-
-    def pad_rows(self, pad: ExtendGraphShape) -> None:
-        """Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the
-        last of them, so their programs exit before touching memory."""
-        assert len(self.block_batch) <= pad.tiles, (len(self.block_batch), pad)
-        fill = pad.rows + 1 - len(self.ext)
-        total = sum(self.ext)
-        self.rows = self.rows + [self.rows[0] if self.rows else 0] * fill
-        self.prefix, self.ext = self.prefix + [0] * fill, self.ext + [0] * fill
-        self.seq, self.starts = self.seq + [0] * fill, self.starts + [total] * fill
-        spare = pad.tiles - len(self.block_batch)
-        self.block_batch = self.block_batch + [pad.rows] * spare
-        self.block_qstart = self.block_qstart + [0] * spare
-
-    def fields(self) -> list[list[int]]:
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
-
-
 class TritonBackend(AttentionBackend):
     # CUDA graphs (engine/cuda_graph.py) take this backend only: decode launch shapes depend
     # only on the batch size, so a graph captured on one batch's metadata replays any
@@ -131,6 +75,7 @@ class TritonBackend(AttentionBackend):
         extend_block_n: int | None = None,
         stager: DeviceStager | None = None,
         fused_kv_store: bool = False,
+        fp8_mode: int | None = None,
     ) -> None:
         super().__init__(pool)
         self.stager = stager
@@ -144,10 +89,18 @@ class TritonBackend(AttentionBackend):
         # Overrides exist so tests can force many small tiles; None = per-head-dim defaults.
         self.extend_block_m = extend_block_m
         self.extend_block_n = extend_block_n
+        # fp8 caches under 16-bit models: fp8_kv.py's conversion mode (MINISGL_FP8_KV_MODE).
+        self.fp8_mode = int(FP8_KV_MODE.get()) if fp8_mode is None else fp8_mode
+        self._kv_f16 = is_fp8(pool.dtype) and self.fp8_mode != UPCAST
 
     def _decode_tiles(self, max_splits: int) -> tuple[int, int, int]:
-        block_n, warps, stages = decode_tiles(max_splits)
+        block_n, warps, stages = decode_tiles(max_splits, self._kv_f16)
         return (self.decode_block_n or block_n), warps, stages
+
+    def kv_read(self, layer_id: int) -> KVRead:
+        """How the kernels read layer ``layer_id``'s cache: its scales, the fp8 mode."""
+        pool = self.pool
+        return KVRead(pool.k_scales[layer_id], pool.v_scales[layer_id], self.fp8_mode)
 
     def _sm_count(self, device: torch.device) -> int:
         if self.num_sms is None:
@@ -200,7 +153,7 @@ class TritonBackend(AttentionBackend):
     def _prepare(
         self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
     ) -> TritonMetadata:
-        host = _HostIndices.of(layout)
+        host = HostIndices.of(layout)
         bsz = len(host.ext)
         is_decode = layout.is_decode and pad is None
         block_m, block_n, warps = extend_tiles(self.pool.head_dim, max(host.ext))
@@ -263,7 +216,9 @@ class TritonBackend(AttentionBackend):
         metadata: object,
         scale: float,
     ) -> torch.Tensor:
-        store_kv(self.pool.k(layer_id), self.pool.v(layer_id), k, v, out_slots)
+        pool = self.pool
+        scales = (pool.k_scales[layer_id], pool.v_scales[layer_id])
+        store_kv(pool.k(layer_id), pool.v(layer_id), k, v, out_slots, *scales)
         return self.attend(q, layer_id, metadata, scale)
 
     def attend(
@@ -271,12 +226,14 @@ class TritonBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = metadata
         assert isinstance(md, TritonMetadata)
-        k, v = self.pool.k(layer_id), self.pool.v(layer_id)
+        k, v, kv = self.pool.k(layer_id), self.pool.v(layer_id), self.kv_read(layer_id)
         # The decode kernel's plan: KV chunks per row, the grid's split axis, the scale, and
         # its (block_n, warps, stages).
         plan = (md.num_splits, md.max_splits, scale, *self._decode_tiles(md.max_splits))
         if md.is_decode:
-            return decode_attention(q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan)
+            return decode_attention(
+                q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan, kv=kv
+            )  # fmt: skip
         out = extend_attention(
             q,
             k,
@@ -292,8 +249,9 @@ class TritonBackend(AttentionBackend):
             md.block_m,
             md.block_n,
             md.num_warps,
+            kv=kv,
         )
         if md.dec_rows:  # the one-token rows of a mixed batch, into the same output
             dec = (md.dec_row_ids, md.dec_seq_lens, *plan, md.dec_tokens, out.view(q.shape))
-            decode_attention(q, k, v, md.page_table, *dec)
+            decode_attention(q, k, v, md.page_table, *dec, kv=kv)
         return out

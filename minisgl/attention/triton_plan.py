@@ -3,8 +3,11 @@ and how many KV chunks each decode row is split into. Host arithmetic only."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
 
+from minisgl.attention.base import BatchLayout
 from minisgl.kernels import cdiv
 
 
@@ -81,13 +84,76 @@ def decode_split_cap(
     return max(1, min(max_splits, cdiv(waves * num_sms, max(1, batch * num_kv_heads))))
 
 
-def decode_tiles(max_splits: int) -> tuple[int, int, int]:
+def decode_tiles(max_splits: int, fp8: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) of the decode kernel. On the offline workload's ragged
     batches (H200 sweep) unsplit rows stream KV best in 128-token tiles (3.8 TB/s vs 3.4
     with 32-token ones); split small batches prefer shorter tiles, since their chunks are
-    short."""
+    short. ``fp8``: a one-byte cache read through fp8_kv.py's conversion (tiles of the
+    same tokens hold half the bytes; loaded straight to registers, one stage)."""
+    if fp8:
+        if max_splits == 1:
+            return 128, 4, 1
+        return (64, 4, 1) if max_splits <= 4 else (32, 4, 1)
     if max_splits == 1:
         return 128, 4, 3
     if max_splits <= 4:
         return 64, 4, 2
     return 32, 4, 2
+
+
+@dataclass
+class HostIndices:
+    """A batch's index lists on the host, in the order TritonMetadata's views take them."""
+
+    rows: list[int]
+    prefix: list[int]
+    ext: list[int]
+    seq: list[int]
+    starts: list[int]  # first flat token of each row
+    splits: list[int] = field(default_factory=list)
+    block_batch: list[int] = field(default_factory=list)  # extend query tiles: row
+    block_qstart: list[int] = field(default_factory=list)  # and first new token in it
+    dec_ids: list[int] = field(default_factory=list)  # a mixed batch's one-token rows:
+    dec_seq: list[int] = field(default_factory=list)  # page-table row, length and flat
+    dec_tok: list[int] = field(default_factory=list)  # token of each
+
+    @classmethod
+    def of(cls, layout: BatchLayout) -> HostIndices:
+        starts = [0, *itertools.accumulate(layout.extend_lens)][:-1]
+        return cls(layout.req_rows, layout.prefix_lens, layout.extend_lens, layout.seq_lens, starts)
+
+    def split_extend(self, req_rows: list[int], block_m: int) -> None:
+        """Rows of new tokens into query tiles of ``block_m``; one-token rows (decodes riding
+        in a mixed batch) to the decode kernel."""
+        for i, e in enumerate(self.ext):
+            if e == 1:
+                self.dec_ids.append(req_rows[i])
+                self.dec_seq.append(self.seq[i])
+                self.dec_tok.append(self.starts[i])
+                continue
+            for q0 in range(0, e, block_m):
+                self.block_batch.append(i)
+                self.block_qstart.append(q0)
+
+    def pad_decode_rows(self, rows: int) -> None:
+        """Decode rows up to ``rows``: padding rows have 0 splits, so every program of
+        theirs returns at once."""
+        n_pad = rows - len(self.dec_ids)
+        self.dec_ids, self.dec_tok = self.dec_ids + [0] * n_pad, self.dec_tok + [0] * n_pad
+        self.dec_seq = self.dec_seq + [0] * n_pad
+
+    def pad_rows(self, pad: ExtendGraphShape) -> None:
+        """Rows bsz..pad.rows are empty (0 new tokens, 0 prefix); spare tiles point at the
+        last of them, so their programs exit before touching memory."""
+        assert len(self.block_batch) <= pad.tiles, (len(self.block_batch), pad)
+        fill = pad.rows + 1 - len(self.ext)
+        total = sum(self.ext)
+        self.rows = self.rows + [self.rows[0] if self.rows else 0] * fill
+        self.prefix, self.ext = self.prefix + [0] * fill, self.ext + [0] * fill
+        self.seq, self.starts = self.seq + [0] * fill, self.starts + [total] * fill
+        spare = pad.tiles - len(self.block_batch)
+        self.block_batch = self.block_batch + [pad.rows] * spare
+        self.block_qstart = self.block_qstart + [0] * spare
+
+    def fields(self) -> list[list[int]]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]

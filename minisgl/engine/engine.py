@@ -27,7 +27,7 @@ from minisgl.engine.setup import (
 from minisgl.engine.step import PendingStep, SampleRequest, StepInput
 from minisgl.extension_loader import load_extensions
 from minisgl.kernels.staging import DeviceStager, Segment
-from minisgl.kvcache.kv_dtype import kv_cache_dtype
+from minisgl.kvcache.kv_dtype import is_fp8, kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
 from minisgl.models.config import ModelConfig
@@ -73,7 +73,7 @@ class Engine:
                 cfg, self.tp, max(self.context_length, cfg.max_position)
             )
         self.model.eval()
-        load_model_weights(
+        self.kv_scales = load_model_weights(
             self.model, config, self.resolved, self.hf_config, self.device, self.dtype
         )
         pack_model(self.model)  # CPU: weights reordered for oneDNN (see layers/cpu_linear.py)
@@ -125,6 +125,8 @@ class Engine:
             self.device,
         )
         pool.num_pages = pages  # usable pages; the extra one is the scratch page
+        if is_fp8(self.kv_dtype):  # a 16-bit cache keeps values as they are
+            self.kv_scales.apply(pool.k_scales, pool.v_scales)
         return pool
 
     def _make_page_table(self, share: Engine | None) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 from minisgl.config import EngineConfig
 from minisgl.distributed import TPInfo
 from minisgl.engine.plugins import memory_reserves
+from minisgl.kvcache.kv_scales import KVScales
 from minisgl.kvcache.pool import KVPool
 from minisgl.models.config import ModelConfig
 from minisgl.models.loader import iter_dummy_weights, iter_safetensors, load_weights
@@ -73,7 +74,10 @@ def load_model_weights(
     hf_config: HFConfig,
     device: torch.device,
     dtype: torch.dtype,
-) -> None:
+) -> KVScales:
+    """Load the weights; the KV-cache scales a safetensors checkpoint holds come back
+    (kvcache/kv_scales.py: an fp8 cache uses them)."""
+    scales = KVScales()
     if config.load_format == "dummy":
         # One full random checkpoint, of which every TP rank loads its shard.
         load_weights(model, iter_dummy_weights(dict(hf_config), device, dtype, config.seed))
@@ -87,7 +91,8 @@ def load_model_weights(
         release_readers()
         trim_heap()
     else:
-        load_weights(model, iter_safetensors(Path(resolved.path), device))
+        load_weights(model, scales.take(iter_safetensors(Path(resolved.path), device)))
+    return scales
 
 
 def kv_pool_pages(

@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.fp8_kv import KVRead, fp8_tile_as_f16
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
-LOG2E = 1.4426950408889634
 # Running-max start value: finite, so a tile whose scores are all masked gives
 # exp2(-inf - (-1e30)) = 0 rather than the NaN that -inf - (-inf) would.
 NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
@@ -31,21 +31,24 @@ def tile_slots(pt_row_ptr, pos, n_mask, MASK_N: tl.constexpr):
 @triton.jit
 def load_kv(
     k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
-    offs_d, d_mask, dtype: tl.constexpr, MASK_N: tl.constexpr,
+    offs_d, d_mask, dtype: tl.constexpr, MASK_N: tl.constexpr, KV_F16: tl.constexpr = 0,
+    E5M2: tl.constexpr = False, ASM: tl.constexpr = False,
 ):  # fmt: skip
     """Gather one tile of K and V through the page table (one slot index per token), as
-    ``dtype`` (q's: an fp8 pool, --kv-cache-dtype, is upcast here; its scale is 1.0)."""
+    ``dtype`` (q's: an fp8 pool, --kv-cache-dtype, is upcast here), or with ``KV_F16`` as
+    float16 (fp8_kv.py's modes; q is then float16 too)."""
     slots = tile_slots(pt_row_ptr, pos, n_mask, MASK_N)
     return load_kv_at(
         k_cache_ptr, v_cache_ptr, slots, n_mask, kv_head, stride_cs, stride_ch, offs_d, d_mask,
-        dtype, MASK_N,
+        dtype, MASK_N, KV_F16, E5M2, ASM,
     )  # fmt: skip
 
 
 @triton.jit
 def load_kv_at(
     k_cache_ptr, v_cache_ptr, slots, n_mask, kv_head, stride_cs, stride_ch, offs_d, d_mask,
-    dtype: tl.constexpr, MASK_N: tl.constexpr,
+    dtype: tl.constexpr, MASK_N: tl.constexpr, KV_F16: tl.constexpr = 0,
+    E5M2: tl.constexpr = False, ASM: tl.constexpr = False,
 ):  # fmt: skip
     """load_kv with the tile's slots already read."""
     if MASK_N:
@@ -53,8 +56,16 @@ def load_kv_at(
     else:
         mask = d_mask[None, :]
     off = slots[:, None] * stride_cs + kv_head * stride_ch + offs_d[None, :]
-    k = tl.load(k_cache_ptr + off, mask=mask, other=0.0).to(dtype)
-    v = tl.load(v_cache_ptr + off, mask=mask, other=0.0).to(dtype)
+    if KV_F16 != 0:  # the caches' bytes (uint8)
+        k = tl.load(k_cache_ptr + off, mask=mask, other=0)
+        v = tl.load(v_cache_ptr + off, mask=mask, other=0)
+    else:
+        k = tl.load(k_cache_ptr + off, mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + off, mask=mask, other=0.0)
+    if KV_F16 == 0:
+        k, v = k.to(dtype), v.to(dtype)
+    else:
+        k, v = fp8_tile_as_f16(k, E5M2, KV_F16, ASM), fp8_tile_as_f16(v, E5M2, KV_F16, ASM)
     return k, v
 
 
@@ -77,10 +88,11 @@ def softmax_step(
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, row_ids_ptr, prefix_lens_ptr,
-    ext_lens_ptr, ext_starts_ptr, block_batch_ptr, block_qstart_ptr, qk_scale,
+    ext_lens_ptr, ext_starts_ptr, block_batch_ptr, block_qstart_ptr, qk_scale, v_mul,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    KV_F16: tl.constexpr, E5M2: tl.constexpr, V_SCALED: tl.constexpr, ASM: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_wait(PDL)
@@ -106,6 +118,8 @@ def _extend_kernel(
     tok = (tok0 + offs_m).to(tl.int64)
     q_off = tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_F16:
+        q = q.to(tl.float16)  # fp8 tiles reach the dots as float16 (fp8_kv.py)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -118,8 +132,10 @@ def _extend_kernel(
         pos = n0 + offs_n
         k, v = load_kv(
             k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, pos, kv_head, stride_cs, stride_ch,
-            offs_d, d_mask, q.dtype, False,
+            offs_d, d_mask, q.dtype, False, KV_F16, E5M2, ASM,
         )  # fmt: skip
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         m_i, l_i, acc = softmax_step(q, k, v, pos, m_i, l_i, acc, qk_scale, DOT_PREC, False)
     # Diagonal band; tiles past the last valid query's position are never visited.
     kv_end = prefix + tl.minimum(q0 + BLOCK_M, ext)
@@ -128,13 +144,17 @@ def _extend_kernel(
         n_mask = pos < kv_end
         k, v = load_kv(
             k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
-            offs_d, d_mask, q.dtype, True,
+            offs_d, d_mask, q.dtype, True, KV_F16, E5M2, ASM,
         )  # fmt: skip
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         causal = (pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
         m_i, l_i, acc = softmax_step(q, k, v, causal, m_i, l_i, acc, qk_scale, DOT_PREC, True)
 
     # Every query sees key 0, so l_i > 0 on real rows; padding rows are not stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if V_SCALED:
+        out = out * v_mul  # V's scale (and the bit moves' 256): attention is linear in V
     o_off = tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     o_mask = m_mask[:, None] & d_mask[None, :]
     tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -175,11 +195,14 @@ def extend_attention(
     block_n: int,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
+    kv: KVRead = KVRead(),
 ) -> torch.Tensor:
     """Causal attention of new tokens over prefix + themselves: q [T, Hq, D] -> [T, Hq * D].
     ``block_batch``/``block_qstart`` [NB] give each BLOCK_M query tile's row and first new
-    token within the row; the grid is (NB, Hq)."""
+    token within the row; the grid is (NB, Hq). ``kv``: the cache's scales and how fp8 tiles
+    are converted (kernels/fp8_kv.py)."""
     q = unit_last_stride(q)
+    k_cache, v_cache, qk_scale, v_mul, kv_consts = kv.launch(k_cache, v_cache, q.dtype, sm_scale)
     num_tokens, hq, d = q.shape
     hk = k_cache.shape[1]
     if out is None:
@@ -189,10 +212,10 @@ def extend_attention(
         return out.view(num_tokens, hq * d)
     _extend_kernel[(num_blocks, hq)](
         q, k_cache, v_cache, out, page_table, row_ids, prefix_lens, extend_lens, extend_starts,
-        block_batch, block_qstart, sm_scale * LOG2E,
+        block_batch, block_qstart, qk_scale, v_mul,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=hq // hk, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(d),
-        **dot_mode(q.dtype), num_warps=num_warps, num_stages=2, **pdl_args(),
+        **dot_mode(q.dtype), **kv_consts, num_warps=num_warps, num_stages=2, **pdl_args(),
     )  # fmt: skip
     return out.view(num_tokens, hq * d)

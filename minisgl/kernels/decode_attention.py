@@ -10,7 +10,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.attention import (
-    LOG2E,
     NEG_BIG,
     dot_mode,
     head_block,
@@ -20,19 +19,20 @@ from minisgl.kernels.attention import (
     tile_slots,
     unit_last_stride,
 )
+from minisgl.kernels.fp8_kv import KVRead
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, row_ids_ptr, seq_lens_ptr, num_splits_ptr,
-    q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale,
+    q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, v_mul,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-    GATHER: tl.constexpr, DIRECT: tl.constexpr,
-    PDL: tl.constexpr,
+    GATHER: tl.constexpr, DIRECT: tl.constexpr, KV_F16: tl.constexpr, E5M2: tl.constexpr,
+    V_SCALED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
     # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
@@ -72,6 +72,8 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_h
     q_off = tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptr + q_off, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if KV_F16:
+        q = q.to(tl.float16)  # fp8 tiles reach the dots as float16 (fp8_kv.py)
     if UPCAST:
         q = q.to(tl.float32)  # K/V tiles follow q's dtype
 
@@ -84,8 +86,10 @@ def _decode_split_kernel(
         # chunk: all masked, as no iteration).
         k, v = load_kv_at(
             k_cache_ptr, v_cache_ptr, first_slots, first_mask, kv_head, stride_cs, stride_ch,
-            offs_d, d_mask, q.dtype, True,
+            offs_d, d_mask, q.dtype, True, KV_F16, E5M2, ASM,
         )  # fmt: skip
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         m_i, l_i, acc = softmax_step(
             q, k, v, first_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
         )
@@ -95,8 +99,10 @@ def _decode_split_kernel(
         n_mask = pos < end
         k, v = load_kv(
             k_cache_ptr, v_cache_ptr, pt_row_ptr, pos, n_mask, kv_head, stride_cs, stride_ch,
-            offs_d, d_mask, q.dtype, True,
+            offs_d, d_mask, q.dtype, True, KV_F16, E5M2, ASM,
         )  # fmt: skip
+        if UPCAST:
+            k, v = k.to(tl.float32), v.to(tl.float32)
         m_i, l_i, acc = softmax_step(
             q, k, v, n_mask[None, :], m_i, l_i, acc, qk_scale, DOT_PREC, True
         )
@@ -109,7 +115,10 @@ def _decode_split_kernel(
     # DIRECT (no split): the result is final and goes straight to the output token's row.
     mo_row = tok if DIRECT else b.to(tl.int64)
     mo = mo_row * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
-    tl.store(mid_o_ptr + mo, acc / l_safe[:, None], mask=h_mask[:, None] & d_mask[None, :])
+    o = acc / l_safe[:, None]
+    if V_SCALED:
+        o = o * v_mul  # V's scale (and the bit moves' 256) on the result: linear in V
+    tl.store(mid_o_ptr + mo, o, mask=h_mask[:, None] & d_mask[None, :])
     ml = b * stride_ml_b + heads * stride_ml_h + split
     tl.store(mid_lse_ptr + ml, lse, mask=h_mask)
 
@@ -160,6 +169,7 @@ def decode_attention(
     num_stages: int = 2,
     q_index: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kv: KVRead = KVRead(),
 ) -> torch.Tensor:
     """One new token per row: q [B, Hq, D] -> out [B, Hq * D]. The grid (B, Hk, max_splits)
     depends only on B, so a CUDA graph replays with new lengths; ``num_splits`` [B] (device,
@@ -168,8 +178,10 @@ def decode_attention(
 
     With ``q_index`` [B] the rows are the one-token rows of a mixed batch: row b's query is
     token ``q_index[b]`` of q [T, Hq, D], and its result goes to that token's row of ``out``
-    [T, Hq, D] (shared with the extend kernel, which writes the other tokens)."""
+    [T, Hq, D] (shared with the extend kernel, which writes the other tokens). ``kv``: the
+    cache's scales and how fp8 tiles are converted (kernels/fp8_kv.py)."""
     q = unit_last_stride(q)
+    k_cache, v_cache, qk_scale, v_mul, kv_consts = kv.launch(k_cache, v_cache, q.dtype, sm_scale)
     num_tokens, hq, d = q.shape
     bsz = num_tokens if q_index is None else q_index.shape[0]
     hk = k_cache.shape[1]
@@ -190,12 +202,12 @@ def decode_attention(
         mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hk, max_splits)](
         q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, q_index_arg, mid_o,
-        mid_lse, sm_scale * LOG2E,
+        mid_lse, qk_scale, v_mul,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
         *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, **dot_mode(q.dtype), GATHER=gather,
-        DIRECT=max_splits == 1, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        DIRECT=max_splits == 1, **kv_consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )  # fmt: skip
     if max_splits == 1:
         return out.view(num_tokens, hq * d)

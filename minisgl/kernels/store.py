@@ -57,8 +57,11 @@ def _store_kv_kernel(
     stride_kt,
     stride_vt,
     stride_cache_slot,
+    k_inv,
+    v_inv,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
+    SCALED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -69,6 +72,8 @@ def _store_kv_kernel(
     dst = slot * stride_cache_slot + offs
     k = tl.load(k_ptr + tok * stride_kt + offs, mask=mask)
     v = tl.load(v_ptr + tok * stride_vt + offs, mask=mask)
+    if SCALED:  # an fp8 cache's per-tensor scales: the cache holds value / scale
+        k, v = k.to(tl.float32) * k_inv, v.to(tl.float32) * v_inv
     # Cast in-kernel so a bf16 model can write an fp16/fp32/fp8 pool in one pass.
     tl.store(k_cache_ptr + dst, cast_to_cache(k, k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, cast_to_cache(v, v_cache_ptr.dtype.element_ty), mask=mask)
@@ -89,8 +94,11 @@ def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write ``k``/``v`` [T, Hk, D] into ``k_cache``/``v_cache`` [num_slots, Hk, D] at ``slots``."""
+    """Write ``k``/``v`` [T, Hk, D] into ``k_cache``/``v_cache`` [num_slots, Hk, D] at ``slots``;
+    the cache holds ``k / k_scale`` and ``v / v_scale`` (an fp8 cache's scales)."""
     num_tokens, hk, d = k.shape
     if num_tokens == 0:
         return
@@ -110,8 +118,11 @@ def store_kv(
         k.stride(0),
         v.stride(0),
         k_cache.stride(0),
+        1.0 / k_scale,
+        1.0 / v_scale,
         ROW=row,
         BLOCK=block,
+        SCALED=(k_scale, v_scale) != (1.0, 1.0),
         num_warps=4,
         **pdl_args(),
     )

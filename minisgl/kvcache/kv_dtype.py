@@ -2,11 +2,11 @@
 
 ``auto`` keeps K/V in the model's dtype. ``fp8_e4m3`` (alias ``fp8``, as vLLM) and
 ``fp8_e5m2`` store one byte per element, so the same memory holds twice the tokens of a
-bf16 pool. Like SGLang without calibration files, the scale is per tensor and 1.0: a store
-saturates at the format's finite max and rounds to nearest even, a read upcasts to the
-compute dtype. A calibrated scale would divide before the clamp here (and in
-``kernels/store.py``'s ``cast_to_cache``) and multiply after the upcast on read; with 1.0
-neither is done.
+bf16 pool. The scale is per tensor and per layer: 1.0 (as SGLang without calibration files),
+or a checkpoint's ``k_scale`` / ``v_scale`` where it has them (kv_scales.py). A store divides
+by the scale (multiplies by its inverse), saturates at the format's finite max and rounds to
+nearest even; a read upcasts and multiplies back (the Triton kernels fold that into the
+softmax scale and the output: kernels/fp8_kv.py).
 """
 
 from __future__ import annotations

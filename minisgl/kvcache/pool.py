@@ -35,6 +35,9 @@ class KVPool:
         self.buffer = torch.zeros(
             2, num_layers, self.num_slots, num_kv_heads, head_dim, dtype=dtype, device=device
         )
+        # Per-layer scales of an fp8 cache (kv_dtype.py): a slot holds value / scale.
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
         # One event per layer of KV being copied in on a side stream (a tier loading a
         # prefix back, tier.py); attention waits on its layer's. None: nothing ever loaded.
         self.layer_events: list[torch.cuda.Event] | None = None
@@ -55,7 +58,19 @@ class KVPool:
     def v(self, layer: int) -> torch.Tensor:
         return self.buffer[1, layer]
 
+    def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """K and V of the slots ``index`` (any shape) as ``dtype``, times their scales."""
+        k, v = self.k(layer)[index].to(dtype), self.v(layer)[index].to(dtype)
+        if self.k_scales[layer] != 1.0:
+            k = k * self.k_scales[layer]
+        if self.v_scales[layer] != 1.0:
+            v = v * self.v_scales[layer]
+        return k, v
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        k_scale, v_scale = self.k_scales[layer], self.v_scales[layer]
+        if k_scale != 1.0 or v_scale != 1.0:
+            k, v = k.float() * (1.0 / k_scale), v.float() * (1.0 / v_scale)  # as store_kv
         k, v, dst = to_kv_dtype(k, self.dtype), to_kv_dtype(v, self.dtype), self.buffer
         if is_fp8(self.dtype):
             # index_copy_ has no fp8 kernel on CPU: copy the bytes instead.

@@ -54,8 +54,10 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         backend = batch.attn_backend
-        backend.pool.wait_layer(self.layer_id)  # a prefix loaded back from a tier (HiCache)
-        if backend.fused_kv_store:
+        pool, layer = backend.pool, self.layer_id
+        pool.wait_layer(layer)  # a prefix loaded back from a tier (HiCache)
+        unscaled = pool.k_scales[layer] == 1.0 and pool.v_scales[layer] == 1.0
+        if backend.fused_kv_store and unscaled:  # the fused store writes unscaled values
             q = self._norm_rope_store(q, k, v, batch)
             out = backend.attend(q, self.layer_id, batch.attn_metadata, self.scale)
         else:

@@ -1,8 +1,11 @@
 """Aborts under overlap scheduling and CUDA graphs with a device that lags the host (run
 through the device tool: `python -m pytest tests/gpu/test_abort_overlap_gpu.py -m gpu`).
 
-Every forward first puts the device to sleep (``torch.cuda._sleep``), so each step's batch
-is still running when the host returns from ``step()`` and aborts. Long decodes run beside
+Every forward first launches a gate kernel that spins on the device until the host opens it,
+and the host opens a step's gate only when it waits for that step's results (the next
+``step()``): each step's batch is therefore still running when the host returns from
+``step()`` and aborts, whatever the timing (a timed device sleep, as before, lost that race
+once the host was slower than the sleep). Long decodes run beside
 a short prompt repeated with max_tokens 1-2 (finished in their first steps); every third
 request is aborted at a varied point: waiting, mid-decode, and right after its last token
 was launched (the finishing step: SGLang PR #111, a request freed twice; #58, an illegal
@@ -13,6 +16,7 @@ tests/unit/scheduler/test_abort_mix.py runs the same driver on the CPU.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams
+from minisgl.engine.step import PendingStep
 from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.workloads import ABORT_AT, check_abort_mix, run_abort_mix
 
@@ -28,9 +33,53 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-# Device sleep before every forward: several times an eager step's host time (the torch
-# backend's is close to 10**7 cycles: RESULTS.md, session 12 call 4).
-LAG_CYCLES = 5 * 10**7
+# A gate left shut (a host wait this test did not foresee) opens by itself after this many
+# polls (about a second or more), so a wrong guess costs time and fails the check instead
+# of hanging the GPU.
+MAX_POLLS = 2 * 10**6
+
+
+@functools.cache
+def _gate_kernel() -> Any:
+    """The spinning kernel (triton imported here: a CPU run's collection must not import it
+    before the interpreter tests can ask for the interpreter)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate(gate_ptr, ticket, MAX: tl.constexpr):
+        polls = 0
+        while (tl.load(gate_ptr, volatile=True) < ticket) & (polls < MAX):
+            polls += 1
+
+    return gate
+
+
+class DeviceGate:
+    """Launch n waits on the device until the host has opened ticket n. The host writes the
+    open ticket from pinned memory on a side stream, which runs beside the spinning kernel."""
+
+    def __init__(self) -> None:
+        self.device_value = torch.zeros(1, dtype=torch.int64, device="cuda")
+        self.host_value = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self.side = torch.cuda.Stream()
+        self.launched = 0
+        self.opened = 0
+
+    def close_next(self) -> int:
+        """Queue a gate on the current stream; its ticket."""
+        self.launched += 1
+        _gate_kernel()[(1,)](self.device_value, self.launched, MAX=MAX_POLLS)
+        return self.launched
+
+    def open(self, ticket: int) -> None:
+        if ticket <= self.opened:
+            return
+        self.opened = ticket
+        with torch.cuda.stream(self.side):
+            self.side.synchronize()  # the last write from the pinned value has been read
+            self.host_value[0] = ticket
+            self.device_value.copy_(self.host_value, non_blocking=True)
 
 
 @pytest.fixture(scope="module")
@@ -44,16 +93,32 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _lag_device(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Test-local: every forward (eager or graph replay) first launches a device sleep."""
-    engine = llm.engine
-    run_model = engine.run_model
+def _lag_device(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> DeviceGate:
+    """Test-local: every forward (eager or graph replay) first launches a gate; waiting for
+    a step's results (its one host sync) opens the gates up to that step's."""
+    engine, gate = llm.engine, DeviceGate()
+    run_model, forward = engine.run_model, engine.forward
+    tickets: dict[int, int] = {}
 
     def lagging(*args: Any, **kwargs: Any) -> torch.Tensor:
-        torch.cuda._sleep(LAG_CYCLES)  # type: ignore[attr-defined]
+        gate.close_next()
         return run_model(*args, **kwargs)
 
+    def launch(*args: Any, **kwargs: Any) -> PendingStep | None:
+        pending = forward(*args, **kwargs)
+        if pending is not None:
+            tickets[id(pending)] = gate.launched
+        return pending
+
+    def result(pending: PendingStep) -> Any:
+        gate.open(tickets.pop(id(pending), gate.launched))
+        return wait(pending)
+
+    wait = PendingStep.result
     monkeypatch.setattr(engine, "run_model", lagging)
+    monkeypatch.setattr(engine, "forward", launch)
+    monkeypatch.setattr(PendingStep, "result", result)
+    return gate
 
 
 def _device_busy(llm: LLM) -> bool:
@@ -85,7 +150,7 @@ def test_aborts_under_overlap_graphs_and_a_lagging_device(
     runner = llm.engine.graph_runner
     # CUDA graphs are captured for the triton backend only (the others run eagerly).
     assert (runner is not None) == (backend == "triton")
-    _lag_device(llm, monkeypatch)
+    gate = _lag_device(llm, monkeypatch)
     busy: dict[int, bool] = {}
 
     def before_abort(req: Any) -> None:
@@ -99,6 +164,7 @@ def test_aborts_under_overlap_graphs_and_a_lagging_device(
             assert busy[reqs[i].uid], (i, busy)
     if runner is not None:
         assert runner.replays["decode"] > 0, runner.replays
+    gate.open(gate.launched)
     torch.cuda.synchronize()  # any fault of the lagging batches surfaces here
     assert_engine_clean(llm)
     # The engine keeps serving after the aborts.

@@ -141,6 +141,7 @@ def run_case(
     pt_dtype: torch.dtype = torch.int64,
     backend_kw: dict[str, int] | None = None,
     kv_dtype: torch.dtype | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> TritonBackend:
     """``kv_dtype`` fp8: both backends store into and read from an fp8 pool (the reference
     one the torch backend's saturating cast), so only the kernels' arithmetic differs."""
@@ -148,6 +149,8 @@ def run_case(
     ref_dtype = kv_dtype or torch.float32
     ref_pool = KVPool(LAYERS, world.pool.num_pages, page_size, hk, d, ref_dtype, DEVICE)
     ref_pool.buffer.copy_(world.pool.buffer if kv_dtype else world.pool.buffer.float())
+    for pool in (world.pool, ref_pool):
+        pool.k_scales, pool.v_scales = [scales[0]] * LAYERS, [scales[1]] * LAYERS
     g = torch.Generator().manual_seed(seed + 1)
     t = sum(ext)
     qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g).to(dtype).to(DEVICE)
@@ -496,3 +499,19 @@ def test_store_kv_fp8_rounds_and_saturates_as_torch(kv_dtype: torch.dtype, src) 
     for got, want in ((cache[0, slots], to_kv_dtype(x, kv_dtype)),
                       (cache[1, slots], to_kv_dtype(-x, kv_dtype))):  # fmt: skip
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kv_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+@interpreted
+def test_fp8_modes_and_scales(kv_dtype: torch.dtype, mode: int) -> None:
+    """Every fp8 conversion mode (kernels/fp8_kv.py) under bf16 queries, with per-tensor
+    scales (powers of two: the torch store's division and the kernel's multiply by the
+    inverse round alike): extend, mixed and split decode batches against the reference."""
+    for scales in ((1.0, 1.0), (0.25, 4.0)):
+        kw: dict[str, int] = {**SMALL_TILES, "fp8_mode": mode}
+        run_case([10, 0, 4], [30, 17, 1], 4, 2, 64, 16, dtype=torch.bfloat16,
+                 backend_kw=kw, kv_dtype=kv_dtype, scales=scales)  # fmt: skip
+        kw = {**SMALL_SPLITS, "fp8_mode": mode}
+        run_case([37, 100, 3], [1, 1, 1], 4, 2, 64, 16, dtype=torch.bfloat16,
+                 backend_kw=kw, kv_dtype=kv_dtype, scales=scales)  # fmt: skip
