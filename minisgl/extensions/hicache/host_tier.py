@@ -1,15 +1,15 @@
-"""The host tier: pages of KV in host memory laid out like the device pool's, and the copies
-between the two.
+"""The host tier: pages of KV in host memory, and the copies between it and the device pool.
 
-On CPU the host pool is a plain second pool and both copies are synchronous. On CUDA it is
-pinned; a save (device to host) gathers the pages on the compute stream, so it reads a page
-after every write launched before it, into pinned staging, without waiting: the host
-scatters the bytes into its pages once they have landed (at a later save), or waits for
-them before a load reads the host pages. CPU saves take the same deferred path.
-A load (host to device) runs on a side stream, layer by layer, one event per layer: the
-first layers compute while later layers are still copied, and attention waits on its
-layer's event (`KVPool.wait_layer`). The side stream first waits for the compute stream,
-so a freshly allocated device page is never written while earlier work still reads it.
+On CPU the host pool is a plain second pool and the copies are synchronous row copies. On
+CUDA it is pinned, and the GPU moves the pages itself (transfer.py reads and writes the
+mapped host memory directly). A save (device to host) runs on the compute stream, so it
+reads a page after every write launched before it. A load (host to device) runs on a side
+stream, layer by layer, one event per layer: the first layers compute while later layers
+are still copied, and attention waits on its layer's event (`KVPool.wait_layer`). The side
+stream first waits for the compute stream (a freshly allocated device page is never
+written while earlier work still reads it, and every earlier save has landed), and the
+compute stream waits for the last load before its next save (a host page freed after a
+load is not overwritten while the load still reads it).
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ def _page_bytes(pool: KVPool) -> int:
     return KVPool.bytes_per_page(*shape, pool.dtype)
 
 
-def _raw(buffer: torch.Tensor) -> torch.Tensor:
-    """The pool's bytes: index copies have no fp8 kernels on CPU, and bytes are what moves."""
-    return buffer.view(torch.uint8)
+def _rows(pool: KVPool) -> torch.Tensor:
+    """The device pool's bytes as [2 (K, V), layers, pages, page bytes of one side]."""
+    raw = pool.buffer.view(torch.uint8)  # bytes move; index copies have no fp8 CPU kernels
+    return raw.view(2, pool.num_layers, pool.num_slots // pool.page_size, -1)
 
 
 class HostTier:
@@ -47,15 +48,18 @@ class HostTier:
         self.pool, self.page_size = pool, pool.page_size
         self.num_pages, self.write_through = num_pages, write_through
         self.cuda = pool.buffer.device.type == "cuda"
-        shape = (2, pool.num_layers, num_pages * pool.page_size, pool.num_kv_heads, pool.head_dim)
+        # Page-major within a layer: one page's K and V of a layer are one contiguous row, so
+        # gathering or scattering pages on the host copies whole rows (memcpy speed), where
+        # the device pool's layout would copy 2-byte elements one by one.
+        layers, ps, heads, dim = pool.num_layers, pool.page_size, pool.num_kv_heads, pool.head_dim
+        shape = (layers, num_pages, 2, ps, heads, dim)
         self.buffer = torch.empty(shape, dtype=pool.dtype, pin_memory=self.cuda)
+        self.rows = self.buffer.view(torch.uint8).view(layers, num_pages, -1)
         self.allocator = PageAllocator(num_pages, pool.page_size)
         self.page_bytes = _page_bytes(pool)
         self.totals: dict[str, int] = {}
         self._stream = torch.cuda.Stream(pool.buffer.device) if self.cuda else None
-        self._staged: list[torch.Tensor] = []  # a load's host buffers, alive while it copies
-        # Saves whose bytes are not in the host pages yet: (host slots, bytes, CUDA event).
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = []
+        self._last_load: torch.cuda.Event | None = None
 
     def _count(self, name: str, n: int) -> None:
         self.totals[name] = self.totals.get(name, 0) + n
@@ -85,64 +89,82 @@ class HostTier:
     def slots(self, pages: torch.Tensor) -> torch.Tensor:
         return PageAllocator.pages_to_slots(pages, self.page_size)
 
+    def host_kv(self, slots: torch.Tensor) -> torch.Tensor:
+        """The K/V of host slots in the device pool's layout, [2, layers, n, heads, dim]."""
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        return self.buffer[:, pages, :, offsets].permute(2, 1, 0, 3, 4)
+
     # ------------------------------------------------------------ copies
     def save(self, device_pages: torch.Tensor, tier_pages: torch.Tensor) -> None:
-        self._settle(wait=False)
-        src, dst = self.slots(device_pages), self.slots(tier_pages)
-        device = _raw(self.pool.buffer)
-        data = device.index_select(2, src.to(device.device))
-        event = None
-        if self.cuda:  # to pinned staging on the compute stream, without waiting
-            staged = torch.empty(data.shape, dtype=torch.uint8, pin_memory=True)
-            data = staged.copy_(data, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        self._pending.append((dst, data, event))
-        self._count(SAVED, dst.numel())
+        if self.cuda:
+            from minisgl.extensions.hicache.transfer import copy_pages  # Triton: CUDA hosts
+
+            if self._last_load is not None:
+                torch.cuda.current_stream().wait_event(self._last_load)
+            device = self.pool.buffer.device
+            src, dst = _on(device_pages, device), _on(tier_pages, device)
+            copy_pages(self._device_view(), src, self._host_view(), dst)
+        else:
+            picked = _rows(self.pool).index_select(2, device_pages)  # [2, L, n, half]
+            rows = picked.permute(1, 2, 0, 3).reshape(self.pool.num_layers, len(tier_pages), -1)
+            for layer in range(self.pool.num_layers):  # row copies: no element-wise kernel
+                self.rows[layer].index_copy_(0, tier_pages, rows[layer])
+        self._count(SAVED, tier_pages.numel() * self.page_size)
         self._count(TO_HOST, device_pages.numel() * self.page_bytes)
 
     def settle(self) -> None:
-        """Every save's bytes in the host pages (waiting for them on CUDA)."""
-        self._settle(wait=True)
-
-    def _settle(self, wait: bool) -> None:
-        """Scatter saved bytes into the host pages, oldest first (a page freed and saved
-        again takes the later bytes); without ``wait``, only those already on the host."""
-        while self._pending:
-            dst, data, event = self._pending[0]
-            if event is not None and not wait and not event.query():
-                return
-            if event is not None:
-                event.synchronize()
-            # index_copy_, not an indexed assignment: that would copy the whole pool (dim 2).
-            _raw(self.buffer).index_copy_(2, dst, data)
-            self._pending.pop(0)
+        """Every copy launched so far has landed (for checks that read the host pages)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.pool.buffer.device)
 
     def load(self, tier_pages: torch.Tensor, device_pages: torch.Tensor) -> None:
-        self.settle()
-        src, dst = self.slots(tier_pages), self.slots(device_pages)
         if self._stream is None:
-            _raw(self.pool.buffer).index_copy_(2, dst, _raw(self.buffer).index_select(2, src))
+            device = _rows(self.pool)
+            for layer in range(self.pool.num_layers):
+                halves = self.rows[layer].index_select(0, tier_pages).view(len(tier_pages), 2, -1)
+                device[0, layer].index_copy_(0, device_pages, halves[:, 0])
+                device[1, layer].index_copy_(0, device_pages, halves[:, 1])
         else:
-            self._load_layers(src, dst, self._stream)
-        self._count(LOADED, dst.numel())
+            self._load_layers(tier_pages, device_pages, self._stream)
+        self._count(LOADED, device_pages.numel() * self.page_size)
         self._count(TO_DEVICE, device_pages.numel() * self.page_bytes)
 
-    def _load_layers(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    def _load_layers(
+        self, tier_pages: torch.Tensor, device_pages: torch.Tensor, stream: torch.cuda.Stream
+    ) -> None:
         """CUDA: the copies on the side stream, one event per layer for attention to wait on."""
+        from minisgl.extensions.hicache.transfer import copy_pages
+
         device = self.pool.buffer.device
         stream.wait_stream(torch.cuda.current_stream(device))
-        events, staged = [], []
+        host, pool = self._host_view(), self._device_view()
+        events = []
         with torch.cuda.stream(stream):
-            index = dst.pin_memory().to(device, non_blocking=True)
+            src, dst = _on(tier_pages, device), _on(device_pages, device)
             for layer in range(self.pool.num_layers):
-                chunk = _raw(self.buffer)[:, layer].index_select(1, src).pin_memory()
-                staged.append(chunk)
-                _raw(self.pool.buffer)[:, layer].index_copy_(
-                    1, index, chunk.to(device, non_blocking=True)
-                )
+                copy_pages(host[layer : layer + 1], src, pool[layer : layer + 1], dst)
                 event = torch.cuda.Event()
                 event.record(stream)
                 events.append(event)
-        self._staged = staged
+        self._last_load = events[-1]
         self.pool.layer_events = events
+
+    def _host_view(self) -> torch.Tensor:
+        layers, pages = self.rows.shape[:2]
+        return words(self.rows.view(layers, pages, 2, -1).permute(0, 2, 1, 3))
+
+    def _device_view(self) -> torch.Tensor:
+        return words(_rows(self.pool).permute(1, 0, 2, 3))
+
+
+def words(view: torch.Tensor) -> torch.Tensor:
+    """A [layers, 2, pages, bytes] uint8 view as the widest words its rows divide into."""
+    for dtype in (torch.int64, torch.int32):
+        if view.shape[-1] % dtype.itemsize == 0:
+            return view.view(dtype)
+    return view
+
+
+def _on(pages: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Page ids on the device, copied without a host wait."""
+    return pages.to(torch.int64).pin_memory().to(device, non_blocking=True)

@@ -75,7 +75,7 @@ def check_contents(cache: TieredRadixCache) -> None:
         if node.value.numel():
             copies.append(tier.pool.buffer[:, :, node.value, 0, :])
         if node.host is not None:
-            copies.append(tier.buffer[:, :, node.host, 0, :])
+            copies.append(tier.host_kv(node.host)[:, :, :, 0, :])
         for copy in copies:  # [2, LAYERS, n, DIM] vs [n, 2, LAYERS, DIM]
             assert torch.equal(copy.permute(2, 0, 1, 3), want), f"node {node.node_id} K/V"
         if len(copies) == 2:
