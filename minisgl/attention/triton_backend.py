@@ -231,9 +231,7 @@ class TritonBackend(AttentionBackend):
         # its (block_n, warps, stages).
         plan = (md.num_splits, md.max_splits, scale, *self._decode_tiles(md.max_splits))
         if md.is_decode:
-            return decode_attention(
-                q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan, kv=kv
-            )  # fmt: skip
+            return decode_attention(q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan, kv=kv)
         out = extend_attention(
             q,
             k,

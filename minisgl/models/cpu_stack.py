@@ -24,7 +24,7 @@ from minisgl.layers.quantization import CpuKernelQuantMethod, KernelWeights
 
 if TYPE_CHECKING:
     from minisgl.attention.base import ForwardBatch
-    from minisgl.models.decoder import DecoderLayer
+    from minisgl.models.decoder_layer import DecoderLayer
 
 LinearSpec = tuple[int, int, tuple[tuple[int, int, int, int, int, int, int], ...]]
 
@@ -80,10 +80,18 @@ class CpuDecodeStack:
         pos, slots = batch.positions.to(torch.int64), batch.out_slots.to(torch.int64)
         x_out, res_out = torch.empty_like(x), torch.empty_like(x)
         cpu.module().stack_forward(
-            self.plan, x.data_ptr(), 0, x.shape[0], pos.data_ptr(), kv_index.data_ptr(),
-            kv_index.stride(0), seq_lens.data_ptr(), slots.data_ptr(), x_out.data_ptr(),
+            self.plan,
+            x.data_ptr(),
+            0,
+            x.shape[0],
+            pos.data_ptr(),
+            kv_index.data_ptr(),
+            kv_index.stride(0),
+            seq_lens.data_ptr(),
+            slots.data_ptr(),
+            x_out.data_ptr(),
             res_out.data_ptr(),
-        )  # fmt: skip
+        )
         return x_out, res_out
 
     def _build(self, layers: list[DecoderLayer], backend: TorchBackend) -> bool:
@@ -95,17 +103,28 @@ class CpuDecodeStack:
         attn, norm, pool = first.self_attn, first.input_layernorm, backend.pool
         gate_up = weights[0][2]
         self.plan = cpu.module().stack_new(
-            len(layers), norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            gate_up.out_features // 2, norm.eps, attn.scale, attn.rotary.cos_table.data_ptr(),
+            len(layers),
+            norm.weight.shape[0],
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            gate_up.out_features // 2,
+            norm.eps,
+            attn.scale,
+            attn.rotary.cos_table.data_ptr(),
             attn.rotary.sin_table.data_ptr(),
-        )  # fmt: skip
+        )
         for i, (layer, packed) in enumerate(zip(layers, weights, strict=True)):
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             specs = [(w.out_features, w.in_features, w.segments) for w in packed]
             cpu.module().stack_set_layer(
-                self.plan, i, *(n.weight.data_ptr() for n in norms), pool.k(i).data_ptr(),
-                pool.v(i).data_ptr(), *specs,
-            )  # fmt: skip
+                self.plan,
+                i,
+                *(n.weight.data_ptr() for n in norms),
+                pool.k(i).data_ptr(),
+                pool.v(i).data_ptr(),
+                *specs,
+            )
         self.max_rows = min(w.max_rows for packed in weights for w in packed)
         self.pool_ptr = pool.k(0).data_ptr()
         return True

@@ -11,64 +11,18 @@ from torch import nn
 
 from minisgl.attention.base import ForwardBatch
 from minisgl.distributed import TPInfo
-from minisgl.layers.activation import ACTIVATIONS
-from minisgl.layers.attention import SelfAttention
 from minisgl.layers.embedding import ParallelLMHead
-from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.quantization import EmbeddingQuantMethod
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.models.config import ModelConfig
 from minisgl.models.cpu_stack import CpuDecodeStack
+from minisgl.models.decoder_layer import DecoderLayer
 
 
 def _embed_quant(cfg: ModelConfig) -> EmbeddingQuantMethod | None:
     """The checkpoint's method where it also quantizes embeddings (GGUF), else None."""
     return cfg.quant if isinstance(cfg.quant, EmbeddingQuantMethod) else None
-
-
-class GatedMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate: int, tp: TPInfo) -> None:
-        super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(
-            cfg.hidden_size, [intermediate, intermediate], cfg.mlp_bias, tp, cfg.quant
-        )
-        self.down_proj = RowParallelLinear(
-            intermediate, cfg.hidden_size, cfg.mlp_bias, tp, cfg.quant
-        )
-        self.act = ACTIVATIONS[cfg.hidden_act]
-
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """``reduce=False``: down_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, tp: TPInfo
-    ) -> None:
-        super().__init__()
-        self.self_attn = SelfAttention(cfg, layer_id, rotary, tp)
-        self.mlp: nn.Module
-        if cfg.layer_is_moe(layer_id):
-            from minisgl.layers.moe import SparseMoE
-
-            self.mlp = SparseMoE(cfg, tp)
-        else:
-            self.mlp = GatedMLP(cfg, cfg.intermediate_size, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tp = tp
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x and the returned output are partial sums over the TP ranks: every all-reduce
-        happens inside the norm that follows it (fused with it on GPUs with peer memory)."""
-        h, residual = self.input_layernorm.forward_with_residual(x, residual, self.tp)
-        h = self.self_attn(h, batch, reduce=False)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, self.tp)
-        return self.mlp(h, reduce=False), residual
 
 
 class DecoderModel(nn.Module):

@@ -22,9 +22,20 @@ _BLOCK = 1024  # words per program
 
 
 @triton.jit
-def _copy_pages_kernel(src, dst, src_pages, dst_pages, words,
-                       src_layer, src_side, src_page, dst_layer, dst_side, dst_page,
-                       BLOCK: tl.constexpr):  # fmt: skip
+def _copy_pages_kernel(
+    src,
+    dst,
+    src_pages,
+    dst_pages,
+    words,
+    src_layer,
+    src_side,
+    src_page,
+    dst_layer,
+    dst_side,
+    dst_page,
+    BLOCK: tl.constexpr,
+):
     i = tl.program_id(0)
     layer, side = tl.program_id(1) // 2, tl.program_id(1) % 2
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -49,6 +60,12 @@ def copy_pages(
         return
     grid = (n, layers * 2, cdiv(width, _BLOCK))
     _copy_pages_kernel[grid](
-        src, dst, src_pages, dst_pages, width, *src.stride()[:3], *dst.stride()[:3],
+        src,
+        dst,
+        src_pages,
+        dst_pages,
+        width,
+        *src.stride()[:3],
+        *dst.stride()[:3],
         BLOCK=_BLOCK,
-    )  # fmt: skip
+    )
