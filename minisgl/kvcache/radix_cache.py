@@ -152,6 +152,8 @@ class RadixCache(PrefixCache):
         self._evictable_pages -= sign * pages
 
     def evict(self, num_pages: int) -> int:
+        """Free at least ``num_pages`` device pages where that many are unlocked, least
+        recently used leaves first; a parent that the eviction leaves a leaf joins them."""
         if num_pages <= 0:
             return 0
         heap = [(leaf.last_access, leaf.node_id, leaf) for leaf in self._evictable_leaves()]
@@ -162,29 +164,47 @@ class RadixCache(PrefixCache):
             _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._page_key(leaf.key, 0)]
-            leaf.parent = None  # makes a stale handle fail loudly in lock()/unlock()
             evicted.append(leaf.value)
-            pages = len(leaf.key) // self.page_size
+            pages = leaf.value.numel() // self.page_size
+            self._release_leaf(leaf)
             freed += pages
             self._evictable_pages -= pages
-            # The parent may just have become an unreferenced leaf itself.
-            if parent is not self._root and not parent.children and parent.ref_count == 0:
+            if parent is not self._root and parent.ref_count == 0 and self._is_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         if evicted:
             slots = torch.cat(evicted)
             self.allocator.free(PageAllocator.slots_to_pages(slots, self.page_size))
         return freed
 
+    def _release_leaf(self, leaf: RadixNode) -> None:
+        """An evicted leaf gives up its device pages (the caller frees them): here it leaves
+        the tree (a second tier may keep it instead, tiered_cache.py)."""
+        self._detach(leaf)
+
+    def _detach(self, node: RadixNode) -> None:
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._page_key(node.key, 0)]
+        node.parent = None  # makes a stale handle fail loudly in lock()/unlock()
+
+    def _holds_device_pages(self, node: RadixNode) -> bool:
+        """Every node of the one-tier tree does; a two-tier tree's may hold only tier pages."""
+        return True
+
+    def _is_leaf(self, node: RadixNode) -> bool:
+        """No child holds device pages: evicting ``node`` frees its pages."""
+        return not any(self._holds_device_pages(c) for c in node.children.values())
+
     def _evictable_leaves(self) -> list[RadixNode]:
+        """Unlocked leaves of the subtree of nodes on the device."""
         leaves, stack = [], [self._root]
         while stack:
             node = stack.pop()
-            if not node.children:
-                if node is not self._root and node.ref_count == 0:
-                    leaves.append(node)
-            else:
-                stack.extend(node.children.values())
+            below = [c for c in node.children.values() if self._holds_device_pages(c)]
+            if below:
+                stack.extend(below)
+            elif node is not self._root and node.ref_count == 0:
+                leaves.append(node)
         return leaves
 
     @property

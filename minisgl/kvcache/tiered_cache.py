@@ -158,43 +158,15 @@ class TieredRadixCache(RadixCache):
             self._save(node)
 
     # ------------------------------------------------------------ eviction
-    def evict(self, num_pages: int) -> int:
-        if num_pages <= 0:
-            return 0
-        heap = [(n.last_access, n.node_id, n) for n in self._device_leaves()]
-        heapq.heapify(heap)
-        evicted: list[torch.Tensor] = []
-        freed = 0
-        while freed < num_pages and heap:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
-            assert parent is not None
-            if leaf.host is None and not self._save(leaf):
-                self._remove_subtree(leaf)
-            evicted.append(leaf.value)
-            pages = leaf.value.numel() // self.page_size
-            leaf.value = empty_slots()
-            freed += pages
-            self._evictable_pages -= pages
-            if parent is not self._root and parent.ref_count == 0:
-                if not any(_on_device(c) for c in parent.children.values()):
-                    heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
-        if evicted:
-            slots = torch.cat(evicted)
-            self.allocator.free(PageAllocator.slots_to_pages(slots, self.page_size))
-        return freed
+    def _release_leaf(self, leaf: RadixNode) -> None:
+        """The leaf keeps its KV in the tier (saved now unless already there), else leaves
+        the tree with what hangs below it."""
+        if leaf.host is None and not self._save(leaf):
+            self._remove_subtree(leaf)
+        leaf.value = empty_slots()
 
-    def _device_leaves(self) -> list[RadixNode]:
-        """Unlocked nodes on the device with no child on the device."""
-        leaves, stack = [], [self._root]
-        while stack:
-            node = stack.pop()
-            below = [c for c in node.children.values() if _on_device(c)]
-            if below:
-                stack.extend(below)
-            elif node is not self._root and node.ref_count == 0:
-                leaves.append(node)
-        return leaves
+    def _holds_device_pages(self, node: RadixNode) -> bool:
+        return _on_device(node)
 
     def _save(self, node: RadixNode) -> bool:
         """Copy a device node into the tier (making room there); False if there is none."""
@@ -242,12 +214,6 @@ class TieredRadixCache(RadixCache):
             below.parent = None
         node.children.clear()
         self._detach(node)
-
-    def _detach(self, node: RadixNode) -> None:
-        parent = node.parent
-        assert parent is not None
-        del parent.children[self._page_key(node.key, 0)]
-        node.parent = None  # makes a stale handle fail loudly in lock()/unlock()
 
     def _iter_nodes(self) -> Iterable[RadixNode]:  # every node but the root
         stack = list(self._root.children.values())

@@ -86,9 +86,6 @@ class HostTier:
     def free_pages_set(self) -> set[int]:
         return self.allocator.free_pages_set()
 
-    def slots(self, pages: torch.Tensor) -> torch.Tensor:
-        return PageAllocator.pages_to_slots(pages, self.page_size)
-
     def host_kv(self, slots: torch.Tensor) -> torch.Tensor:
         """The K/V of host slots in the device pool's layout, [2, layers, n, heads, dim]."""
         pages, offsets = slots // self.page_size, slots % self.page_size

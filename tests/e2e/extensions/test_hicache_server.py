@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.server_utils import ServerHandle, assert_clean_log, start_server, wait_idle_and_check
+from tests.e2e.server_utils import (
+    ServerHandle,
+    assert_clean_log,
+    metric,
+    start_server,
+    wait_idle_and_check,
+)
 
 PROMPTS = [list(range(10 + i, 90 + i)) for i in (0, 100, 150)]  # 80 tokens each
 
@@ -24,16 +30,6 @@ def server(tiny_model: Path) -> Iterator[ServerHandle]:
     yield handle
     assert handle.stop(signal.SIGTERM) == 0, handle.log()[-3000:]
     assert_clean_log(handle)
-
-
-def _metrics(server: ServerHandle) -> dict[str, float]:
-    status, text = server.get("/metrics")
-    assert status == 200
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
 
 
 def _generate(server: ServerHandle, ids: list[int]) -> dict[str, object]:
@@ -54,14 +50,13 @@ def test_host_hits_reported_and_flushed(server: ServerHandle) -> None:
     status, comp = server.post("/v1/completions", body)
     assert status == 200, comp
     assert comp["usage"]["host_cached_tokens"] > 0, comp["usage"]
-    values = _metrics(server)
-    assert values["minisgl_hicache_loaded_tokens_total"] >= 80
-    assert values["minisgl_hicache_bytes_to_host_total"] > 0
-    assert 0 < values["minisgl_hicache_host_pages_used"] <= values["minisgl_hicache_host_pages"]
+    assert metric(server, "minisgl_hicache_loaded_tokens_total") >= 80
+    assert metric(server, "minisgl_hicache_bytes_to_host_total") > 0
+    used = metric(server, "minisgl_hicache_host_pages_used")
+    assert 0 < used <= metric(server, "minisgl_hicache_host_pages")
     wait_idle_and_check(server)
     status, flushed = server.post("/flush_cache")
     assert status == 200, flushed
-    values = _metrics(server)
-    assert values["minisgl_hicache_host_pages_used"] == 0
+    assert metric(server, "minisgl_hicache_host_pages_used") == 0
     assert _generate(server, PROMPTS[0] + [7])["cached_tokens"] == 0
     wait_idle_and_check(server)
