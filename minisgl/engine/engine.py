@@ -27,6 +27,7 @@ from minisgl.engine.setup import (
 from minisgl.engine.step import PendingStep, SampleRequest, StepInput
 from minisgl.extension_loader import load_extensions
 from minisgl.kernels.staging import DeviceStager, Segment
+from minisgl.kvcache.allocator import zeroed_page_table
 from minisgl.kvcache.kv_dtype import is_fp8, kv_cache_dtype
 from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
@@ -142,7 +143,7 @@ class Engine:
             return
         rows = self.max_running_requests + 1  # the extra row is scratch for padding
         width = self.context_length + page_size
-        self.page_table = torch.zeros(rows, width, dtype=torch.int64, device=self.device)
+        self.page_table = zeroed_page_table(rows, width, self.device)
         self.page_table[-1].fill_(self.scratch_slot)
 
     def _make_backend(self) -> AttentionBackend:

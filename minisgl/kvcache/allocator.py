@@ -8,7 +8,18 @@ helpers below.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def zeroed_page_table(rows: int, width: int, device: torch.device) -> torch.Tensor:
+    """An int64 page table of zeros. On the host it comes from calloc (through numpy), so
+    the pages of rows a request never reaches are never made resident: the table is sized
+    for ``max_running_requests`` full contexts (16 MiB on CPU by default) and a short
+    request touches one page of its row."""
+    if device.type == "cpu":
+        return torch.from_numpy(np.zeros((rows, width), dtype=np.int64))
+    return torch.zeros(rows, width, dtype=torch.int64, device=device)
 
 
 class PageAllocator:
