@@ -68,17 +68,19 @@ AVX512 static void dequant_row(const Weights *w, int four_bit, int64_t K, int64_
     const int64_t G = K / 32, i = n * G + k0 / 32;
     const int ng = (int)(kb / 32);
     const uint8_t *c = w->codes + n * (K / 2) + k0 / 2;
-    const __m128i m4 = _mm_set1_epi8(0x0F);
     scales_at(w->scale, i, ng, w->half, sc);
     scales_at(w->offset, i, ng, w->half, off);
+    /* A group's 16 values scale * code + offset as a table, looked up by code (vpermps reads
+     * an index's low 4 bits: no masking of the nibbles). */
+    const __m512 codes16 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int g = 0; g < ng; g++) {
-      const __m512 s = _mm512_set1_ps(sc[g]), o = _mm512_set1_ps(off[g]);
+      const __m512 lut = _mm512_add_ps(_mm512_mul_ps(codes16, _mm512_set1_ps(sc[g])),
+                                       _mm512_set1_ps(off[g]));
       const __m128i raw = _mm_loadu_si128((const __m128i *)(c + g * 16));
-      const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
-      const __m512 vlo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-      const __m512 vhi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-      _mm512_store_ps(t + g * 32, _mm512_add_ps(_mm512_mul_ps(vlo, s), o));
-      _mm512_store_ps(t + g * 32 + 16, _mm512_add_ps(_mm512_mul_ps(vhi, s), o));
+      const __m512i lo = _mm512_cvtepu8_epi32(raw);
+      const __m512i hi = _mm512_cvtepu8_epi32(_mm_srli_epi16(raw, 4));
+      _mm512_store_ps(t + g * 32, _mm512_permutexvar_ps(lo, lut));
+      _mm512_store_ps(t + g * 32 + 16, _mm512_permutexvar_ps(hi, lut));
     }
     return;
   }
