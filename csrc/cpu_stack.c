@@ -114,15 +114,23 @@ static int linear(const Linear *lin, const float *x, int64_t M, float *out, int6
   return 0;
 }
 
-/* gate_up [B, 2I] (gate, then up) -> silu(gate) * up [B, I]; rows split among threads from
- * 8 on (16 rows: 2.7 -> 1.4 ms of a 30-layer step on 2 threads). */
+/* Row b of gate_up [B, 2I] (gate, then up) -> silu(gate) * up, row b of out [B, I]. */
+static void silu_mul_row(const float *gu, int64_t b, int64_t I, float *out) {
+  for (int64_t i = 0; i < I; i++) {
+    const float g = gu[b * 2 * I + i];
+    out[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
+  }
+}
+
+/* Every row; split among threads from 8 rows on (16 rows: 2.7 -> 1.6 ms of a 30-layer step on
+ * 2 threads); fewer rows stay outside any parallel region (batch 1). */
 static void silu_mul(const float *gu, int64_t B, int64_t I, float *out) {
-#pragma omp parallel for schedule(static) if (B >= 8)
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t i = 0; i < I; i++) {
-      const float g = gu[b * 2 * I + i];
-      out[b * I + i] = g / (1.f + expf(-g)) * gu[b * 2 * I + I + i];
-    }
+  if (B < 8) {
+    for (int64_t b = 0; b < B; b++) silu_mul_row(gu, b, I, out);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; b++) silu_mul_row(gu, b, I, out);
 }
 
 typedef struct {
