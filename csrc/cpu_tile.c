@@ -31,11 +31,13 @@ int tile_supported(void) {
 
 /* n scales (n <= 8) from index i on, as floats. */
 AVX512 INLINE void scales_at(const void *p, int64_t i, int n, int half, float *out) {
+  const uint16_t *h = (const uint16_t *)p + i;
+  const float *f = (const float *)p + i;
   if (half && n == 8) {
-    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))));
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
     return;
   }
-  for (int j = 0; j < n; j++) out[j] = half ? _cvtsh_ss(((const uint16_t *)p)[i + j]) : ((const float *)p)[i + j];
+  for (int j = 0; j < n; j++) out[j] = half ? _cvtsh_ss(h[j]) : f[j];
 }
 
 /* The bytes [p + a, p + b) towards L1 (a prefetch never faults: past the end is harmless). */
@@ -89,7 +91,8 @@ AVX512 static void dequant_row(const Weights *w, int four_bit, int64_t K, int64_
   const int8_t *c = (const int8_t *)w->codes + n * K + k0;
   scales_at(w->scale, (n * K + k0) / w->group, ns, w->half, sc);
   for (int h = 0; h < (int)(kb / 16); h++) {
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * h))));
+    const __m128i codes = _mm_loadu_si128((const __m128i *)(c + 16 * h));
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
     _mm512_store_ps(t + 16 * h, _mm512_mul_ps(v, _mm512_set1_ps(sc[per == 1 ? h : h / 2])));
   }
 }
