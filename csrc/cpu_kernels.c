@@ -280,24 +280,31 @@ static int run(RowFn fn, const Weights *w, const float *x, int64_t M, int64_t K,
   return 0;
 }
 
+static int tile_ok = -1; /* the CPU runs cpu_tile.c's kernels; -1: not yet asked */
+
 int quant_mm(const Weights *w, int four_bit, const float *x, int64_t M, int64_t K, int64_t N,
-             float *out, int64_t ldo) {
+             float *out, int64_t ldo, int64_t tile_rows) {
+  if (tile_rows > 0 && M >= tile_rows) {
+    if (tile_ok < 0) tile_ok = tile_supported();
+    if (tile_ok) return tile_mm(w, four_bit, x, M, K, N, out, ldo);
+  }
   return run(four_bit ? row_q4 : row_q8, w, x, M, K, N, out, ldo);
 }
 
-/* mm(codes, scale, offset, half, group, N, ldo, x, M, K, out): out[m, n] (row stride ldo)
- * for a 4-bit (group 0; offset: its offsets) or 8-bit (group 16 or 32; offset unused) weight.
- * The weight's arguments come first: the caller binds them once (functools.partial). */
+/* mm(codes, scale, offset, half, group, N, ldo, x, M, K, out, tile_rows): out[m, n] (row
+ * stride ldo) for a 4-bit (group 0; offset: its offsets) or 8-bit (group 16 or 32; offset
+ * unused) weight; float32 tiles from tile_rows rows on (0: never). The weight's arguments
+ * come first: the caller binds them once (functools.partial). */
 static PyObject *mm(PyObject *self, PyObject *args) {
-  Py_ssize_t codes, scale, offset, half, group, N, ldo, x, M, K, out;
-  if (!PyArg_ParseTuple(args, "nnnnnnnnnnn", &codes, &scale, &offset, &half, &group, &N, &ldo, &x,
-                        &M, &K, &out))
+  Py_ssize_t codes, scale, offset, half, group, N, ldo, x, M, K, out, tile_rows;
+  if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &codes, &scale, &offset, &half, &group, &N, &ldo,
+                        &x, &M, &K, &out, &tile_rows))
     return NULL;
   Weights w = {(const uint8_t *)codes, (const void *)scale, group ? NULL : (const void *)offset,
                (int)half, group ? (int)group : QK};
   int rc;
-  Py_BEGIN_ALLOW_THREADS rc = run(group ? row_q8 : row_q4, &w, (const float *)x, M, K, N,
-                                  (float *)out, ldo);
+  Py_BEGIN_ALLOW_THREADS rc = quant_mm(&w, !group, (const float *)x, M, K, N, (float *)out, ldo,
+                                       tile_rows);
   Py_END_ALLOW_THREADS if (rc) return PyErr_NoMemory();
   Py_RETURN_NONE;
 }

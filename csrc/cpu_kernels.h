@@ -16,9 +16,14 @@ typedef struct {
   int group;          /* q8: 16 or 32 */
 } Weights;
 
-/* out[m, n] (row stride ldo) = x[m, :] W[n, :] for n < N; -1 when out of memory. */
+/* out[m, n] (row stride ldo) = x[m, :] W[n, :] for n < N; -1 when out of memory. From
+ * tile_rows rows on (0: never), on AVX-512 CPUs, the float32 tiles of cpu_tile.c. */
 HIDDEN int quant_mm(const Weights *w, int four_bit, const float *x, int64_t M, int64_t K,
-                    int64_t N, float *out, int64_t ldo);
+                    int64_t N, float *out, int64_t ldo, int64_t tile_rows);
+/* cpu_tile.c: the CPU runs it (AVX-512), and the product itself. */
+HIDDEN int tile_supported(void);
+HIDDEN int tile_mm(const Weights *w, int four_bit, const float *x, int64_t M, int64_t K,
+                   int64_t N, float *out, int64_t ldo);
 HIDDEN void add_rms_norm(const float *x, const float *res, const float *w, float eps, int64_t T,
                          int64_t H, float *out, float *sum);
 HIDDEN void rope(float *base, int64_t T, int64_t stride, int64_t h0, int64_t h1, int64_t D,

@@ -159,6 +159,12 @@ CPU_KERNELS = flag(
 CPU_STACK = flag(
     "CPU_STACK", True, "CPU: a decode step's decoder layers in one C call (packed GGUF weights)"
 )
+CPU_TILE_ROWS = number(
+    "CPU_TILE_ROWS",
+    12,
+    "CPU, AVX-512: quantized products of this many rows or more multiply float32 weight tiles "
+    "dequantized into L1 (csrc/cpu_tile.c); 0: the integer kernels for every row count",
+)
 CPU_ONEDNN = flag("CPU_ONEDNN", True, "CPU: linear weights reordered once for oneDNN")
 FP8_KV_MODE = number(
     "FP8_KV_MODE",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from minisgl.attention.torch_backend import TorchBackend
-from minisgl.env import CPU_STACK
+from minisgl.env import CPU_STACK, CPU_TILE_ROWS
 from minisgl.kernels import cpu
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.quantization import CpuKernelQuantMethod, KernelWeights
@@ -91,6 +91,7 @@ class CpuDecodeStack:
             slots.data_ptr(),
             x_out.data_ptr(),
             res_out.data_ptr(),
+            int(CPU_TILE_ROWS.get()),
         )
         return x_out, res_out
 

@@ -32,6 +32,7 @@ from minisgl.extensions.quantization.gguf_kernels import (
     Segment,
     kernels_available,
     pack,
+    tile_rows,
 )
 from minisgl.layers.quantization import KernelWeights, ShardFn
 
@@ -112,9 +113,9 @@ class GGUFMethod:
             for seg in state.segments:
                 seg.matmul_dequantized(xf.view(m, k), out.view(m, -1))
         else:
-            xp, op = xf.data_ptr(), out.data_ptr()
+            xp, op, tiles = xf.data_ptr(), out.data_ptr(), tile_rows()
             for seg in state.segments:
-                seg.bound(seg.rows, state.out_features, xp, m, k, op + 4 * seg.start)
+                seg.bound(seg.rows, state.out_features, xp, m, k, op + 4 * seg.start, tiles)
         if bias is not None:
             out += bias
         return out if x.dtype == torch.float32 else out.to(x.dtype)

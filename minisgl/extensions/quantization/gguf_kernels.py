@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from gguf import GGMLQuantizationType as T
 
+from minisgl.env import CPU_TILE_ROWS
 from minisgl.extensions.quantization.gguf_blocks import FOUR_BIT
 from minisgl.extensions.quantization.switches import GGUF_KERNELS
 from minisgl.kernels import cpu
@@ -30,6 +31,11 @@ DEQUANT_TILE_ROWS = 2048
 def kernels_available() -> bool:
     """The C kernels are built, the CPU has AVX2, and MINISGL_GGUF_KERNELS is on."""
     return cpu.built() and GGUF_KERNELS.get()
+
+
+def tile_rows() -> int:
+    """The kernels' float32 tiles serve products of this many rows or more (0: never)."""
+    return int(CPU_TILE_ROWS.get())
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Segment:
         contiguous."""
         m, k = x.shape
         dst = out.data_ptr() + self.start * out.element_size()
-        self.bound(self.rows, out.shape[1], x.data_ptr(), m, k, dst)
+        self.bound(self.rows, out.shape[1], x.data_ptr(), m, k, dst, tile_rows())
 
     def rows_dequantized(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 rows ``rows`` (indices into the segment) of the weight."""

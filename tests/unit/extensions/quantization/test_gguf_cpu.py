@@ -93,6 +93,26 @@ def test_kernel_against_float64(qtype: Q, rows: int) -> None:
 
 
 @needs_kernels
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="no AVX-512")
+@pytest.mark.parametrize("rows", [12, 16, 29, 40])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_float32_tiles_against_float64(qtype: Q, rows: int) -> None:
+    # csrc/cpu_tile.c: float32 activations against float32 tiles of the dequantized weight;
+    # 40 output rows leave a partial tile, 608 inputs a partial 128-input block, 40 rows two
+    # passes (32 + 8).
+    cols = 768 if qtype in (Q.Q4_K, Q.Q6_K) else 608
+    seg, w = _segment(qtype, 40, cols)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+    out = torch.full((rows, 45), float("nan"))
+    dst = out.data_ptr() + 3 * out.element_size()
+    seg.bound(40, 45, x.data_ptr(), rows, cols, dst, 1)  # tiles from 1 row on
+    ref = x.double() @ w.double().T
+    bound = (x.double().abs() @ w.double().abs().T) * 2e-6 + 1e-6  # float32 accumulation
+    assert ((out[:, 3:43].double() - ref).abs() <= bound).all()
+    assert out[:, :3].isnan().all() and out[:, 43:].isnan().all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantized_tiles_for_many_rows(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
     from minisgl.extensions.quantization import gguf_kernels
