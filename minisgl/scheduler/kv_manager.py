@@ -42,7 +42,7 @@ class KVManager:
         self.host_table = (
             page_table
             if page_table.device.type == "cpu"
-            else zeroed_page_table(*page_table.shape, torch.device("cpu"))
+            else zeroed_page_table(page_table.shape[0], page_table.shape[1], torch.device("cpu"))
         )
         self.allocator = PageAllocator(num_pages, page_size)
         self.tier = tier if cache_kind == "radix" else None  # HiCache's host tier (tier.py)
