@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from minisgl.kernels.staging import DeviceStager
-from minisgl.kvcache.allocator import PageAllocator, zeroed_page_table
+from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.prefix_cache import MatchResult, PrefixCache
 from minisgl.kvcache.radix_cache import RadixCache, RadixNode
@@ -42,7 +42,7 @@ class KVManager:
         self.host_table = (
             page_table
             if page_table.device.type == "cpu"
-            else zeroed_page_table(page_table.shape[0], page_table.shape[1], torch.device("cpu"))
+            else torch.zeros_like(page_table, device="cpu")
         )
         self.allocator = PageAllocator(num_pages, page_size)
         self.tier = tier if cache_kind == "radix" else None  # HiCache's host tier (tier.py)
