@@ -1,9 +1,10 @@
 from __future__ import annotations
 
+import psutil
 import pytest
 import torch
 
-from minisgl.kvcache.allocator import PageAllocator
+from minisgl.kvcache.allocator import PageAllocator, zeroed_page_table
 
 
 def test_fresh_allocator_hands_out_ascending_pages() -> None:
@@ -108,3 +109,16 @@ def test_slots_to_pages_round_trips_and_handles_partial_tail() -> None:
     # A run ending mid-page still reports the touched tail page once.
     assert PageAllocator.slots_to_pages(slots[:9], 4).tolist() == [7, 1, 4]
     assert PageAllocator.slots_to_pages(slots[:8], 4).tolist() == [7, 1]
+
+
+def test_host_page_table_is_resident_only_where_written() -> None:
+    """The CPU engine's page table is sized for every request at full context; only the
+    rows requests reach may take memory (RSS - KV is one of issue 29's targets)."""
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    table = zeroed_page_table(1025, 8193, torch.device("cpu"))  # 64 MiB of int64
+    table[:16, :300] = 7  # sixteen short requests
+    grown = (proc.memory_info().rss - before) / 2**20
+    assert table.dtype == torch.int64 and table.shape == (1025, 8193)
+    assert int(table[16:].abs().sum()) == 0 and int(table[:16, 300:].abs().sum()) == 0
+    assert grown < 16, grown  # written as zeros it would be 64 MiB
