@@ -23,13 +23,41 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.gpu.bench_gemv import L2_BYTES, SHAPES, graph_time_us, rotating  # noqa: E402
-from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv  # noqa: E402
+from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv, fp8_gemv_tc  # noqa: E402
+from minisgl.kernels.fp8_kv import BITS_ASM, CVT  # noqa: E402
 
 SIZES = [(8, 1024, 4), (4, 2048, 4), (8, 2048, 8), (16, 1024, 8), (4, 1024, 4), (8, 512, 4),
          (16, 1024, 4), (16, 2048, 8), (32, 1024, 8)]  # fmt: skip
 # (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R); R = 1 only at <= 64 accumulators a thread.
 GRID = [(bn, bk, w, 1, p, r) for (bn, bk, w), p, r in itertools.product(SIZES, (0, 1), (1, 16))
         if r > 1 or bn * bk <= 64 * 32 * w]  # fmt: skip
+
+# fp8_gemv_tc.py's (BLOCK_N, BLOCK_K, warps, stages, MODE) (--tc).
+TC_GRID = [(bn, 128, w, st, mode) for bn, w in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8),
+           (128, 4), (128, 8)) for st in (2, 3, 4, 6) for mode in (CVT, BITS_ASM)]  # fmt: skip
+
+
+def tc_sweep(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]],
+             gb: float) -> None:  # fmt: skip
+    """The tensor-core GEMV at its default tiles and TC_GRID, beside the CUDA-core GEMV."""
+    rows, copies = x.shape[0], len(qs)
+    want = fp8_gemv.fp8_gemv(x[:4], *qs[0]).float()
+    results = []
+    for cfg in [None, *TC_GRID]:
+        run = rotating(lambda q, x=x, t=cfg: fp8_gemv_tc.fp8_gemv_tc(x, *q, tiles=t), qs)
+        try:
+            got = fp8_gemv_tc.fp8_gemv_tc(x, *qs[0], tiles=cfg)[:4].float()
+            if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max()):
+                print(f"  tc {cfg}: WRONG RESULT")
+                continue
+            results.append((graph_time_us(run) / copies, cfg))
+        except Exception as e:  # a tile Triton cannot compile (shared memory, registers)
+            print(f"  tc {cfg}: {type(e).__name__}: {str(e)[:60]}")
+    if not results:
+        return
+    t_def, best = results[0][0], sorted(results[1:])[:5]
+    print(f"{name} rows {rows}: TC default {t_def:6.1f} us ({gb / t_def * 1e3:.2f} TB/s) | "
+          + ", ".join(f"{t:.1f} ({gb / t * 1e3:.2f}) {c}" for t, c in best), flush=True)  # fmt: skip
 
 
 def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -46,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[16, 64, 256, 2048])
     ap.add_argument("--write-table", default=None)
+    ap.add_argument("--tc", type=int, nargs="*", default=[], help="rows for the TC sweep")
     args = ap.parse_args()
     table = []
     for name in ("8B qkv", "8B o", "8B gate_up", "8B down"):
@@ -56,6 +85,8 @@ def main() -> None:
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))
         ]
         gb = n * k / 1e9  # bytes of e4m3 weights, in GB
+        for rows in args.tc:
+            tc_sweep(name, torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), qs, gb)
         for rows in args.rows + args.gemm_rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             t_bf = graph_time_us(rotating(lambda w, x=x: x @ w.T, ws)) / len(ws)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.extensions.quantization.switches import FP8_GEMV
+from minisgl.extensions.quantization.switches import FP8_GEMV, FP8_GEMV_TC
 
 E4M3 = torch.float8_e4m3fn
 GROUP = 128  # kernels/fp8_gemm.py's activation group (K steps of whole groups)
@@ -58,6 +58,10 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
     qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
     assert qweight is not None and wscale is not None
     if use_fp8_gemv(x.shape[0]):
+        if FP8_GEMV_TC.get():
+            from minisgl.extensions.quantization.kernels.fp8_gemv_tc import fp8_gemv_tc
+
+            return fp8_gemv_tc(x, qweight, wscale, bias)
         from minisgl.extensions.quantization.kernels import fp8_gemv
 
         return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
