@@ -65,6 +65,25 @@ def gemv_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, b
     _close(got, ref, k * 2**-24 * (xd.abs() @ w.abs().T), eps)
 
 
+def gemv_tc_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
+                 device: torch.device, tiles: tuple[int, ...]) -> None:  # fmt: skip
+    """fp8_gemv_tc: x divided by its row's max-abs into float16 (2^-11 relative), float16
+    products summed in float32 by the tensor cores; scaled back in float32."""
+    from minisgl.extensions.quantization.kernels.fp8_gemv_tc import fp8_gemv_tc
+
+    q, s, w = fp8_weights(n, k, sn, sk, rows + n + k + sn)
+    g = torch.Generator().manual_seed(k)
+    big = 1e3 if dtype == torch.float16 else 1e5  # beyond float16's range where x's dtype allows
+    x = (torch.randn(rows, k, generator=g) * big).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    args = (x.to(device), q.to(device), s.to(device), None if b is None else b.to(device))
+    got = fp8_gemv_tc(*args, tiles)  # type: ignore[arg-type]
+    assert got.shape == (rows, n) and got.dtype == dtype
+    xd, w = x.double().to(device), w.to(device)
+    ref = xd @ w.T + (0 if b is None else b.double().to(device))
+    _close(got, ref, 2**-10 * (xd.abs() @ w.abs().T), torch.finfo(dtype).eps)
+
+
 def gemm_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
               device: torch.device) -> None:  # fmt: skip
     from minisgl.extensions.quantization.kernels.fp8_gemm import fp8_gemm, quantize_groups
@@ -93,6 +112,18 @@ def check_fp8_gemv_prefetch_and_run_sums(device: torch.device) -> None:
     gemv_case(1, 256, 640, 128, 128, torch.bfloat16, False, device, (1, 8, 256, 4, 1, 1, 16))
     gemv_case(2, 64, 384, 1, 384, torch.bfloat16, True, device, (2, 16, 128, 4, 1, 0, 16))
     gemv_case(4, 128, 512, 128, 128, torch.float32, False, device, (4, 4, 256, 4, 1, 1, 1))
+
+
+def check_fp8_gemv_tensor_cores(device: torch.device) -> None:
+    """Both weight conversions (hardware cvt, bit moves / 256), block and per-row scales."""
+    from minisgl.kernels.fp8_kv import BITS_ASM, CVT
+
+    for mode in (CVT, BITS_ASM):
+        gemv_tc_case(1, 256, 384, 128, 128, torch.bfloat16, False, device, (32, 128, 4, 2, mode))
+        gemv_tc_case(3, 256, 512, 128, 128, torch.bfloat16, True, device, (64, 128, 4, 3, mode))
+        gemv_tc_case(2, 48, 256, 1, 128, torch.float32, False, device, (16, 64, 4, 2, mode))
+        gemv_tc_case(16, 100, 256, 1, 256, torch.bfloat16, True, device, (32, 256, 4, 2, mode))
+        gemv_tc_case(4, 37, 128, 1, 128, torch.float16, False, device, (16, 128, 2, 2, mode))
 
 
 def check_fp8_gemv_row_scales(device: torch.device) -> None:
