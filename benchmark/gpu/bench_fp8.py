@@ -34,12 +34,13 @@ GRID = [(bn, bk, w, 1, p, r) for (bn, bk, w), p, r in itertools.product(SIZES, (
 
 # fp8_gemv_tc.py's (BLOCK_N, BLOCK_K, warps, stages, MODE) (--tc).
 TC_GRID = [(bn, 128, w, st, mode) for bn, w in ((16, 2), (16, 4), (32, 4), (64, 4), (64, 8),
-           (128, 4), (128, 8)) for st in (2, 3, 4, 6) for mode in (CVT, BITS_ASM)]  # fmt: skip
+           (128, 4), (128, 8)) for st in (2, 4, 6) for mode in (0, CVT, BITS_ASM)]  # fmt: skip
 
 
 def tc_sweep(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]],
-             gb: float) -> None:  # fmt: skip
-    """The tensor-core GEMV at its default tiles and TC_GRID, beside the CUDA-core GEMV."""
+             gb: float) -> tuple[int, ...] | None:  # fmt: skip
+    """The tensor-core GEMV at its default tiles and TC_GRID, beside the CUDA-core GEMV;
+    the fastest tiles."""
     rows, copies = x.shape[0], len(qs)
     want = fp8_gemv.fp8_gemv(x[:4], *qs[0]).float()
     results = []
@@ -54,10 +55,11 @@ def tc_sweep(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tens
         except Exception as e:  # a tile Triton cannot compile (shared memory, registers)
             print(f"  tc {cfg}: {type(e).__name__}: {str(e)[:60]}")
     if not results:
-        return
+        return None
     t_def, best = results[0][0], sorted(results[1:])[:5]
     print(f"{name} rows {rows}: TC default {t_def:6.1f} us ({gb / t_def * 1e3:.2f} TB/s) | "
           + ", ".join(f"{t:.1f} ({gb / t * 1e3:.2f}) {c}" for t, c in best), flush=True)  # fmt: skip
+    return best[0][1]
 
 
 def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -75,8 +77,10 @@ def main() -> None:
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[16, 64, 256, 2048])
     ap.add_argument("--write-table", default=None)
     ap.add_argument("--tc", type=int, nargs="*", default=[], help="rows for the TC sweep")
+    ap.add_argument("--write-tc-table", default=None, help="the TC sweep's best, first rows")
     args = ap.parse_args()
-    table = []
+    table: list[list[object]] = []
+    tc_table: list[list[object]] = []
     for name in ("8B qkv", "8B o", "8B gate_up", "8B down"):
         n, k = SHAPES[name]
         copies = max(2, -(-2 * L2_BYTES // (n * k)))
@@ -85,8 +89,11 @@ def main() -> None:
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))
         ]
         gb = n * k / 1e9  # bytes of e4m3 weights, in GB
-        for rows in args.tc:
-            tc_sweep(name, torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), qs, gb)
+        for i, rows in enumerate(args.tc):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            best_tc = tc_sweep(name, x, qs, gb)
+            if i == 0 and best_tc is not None:
+                tc_table.append([n, k, list(best_tc)])
         for rows in args.rows + args.gemm_rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             t_bf = graph_time_us(rotating(lambda w, x=x: x @ w.T, ws)) / len(ws)
@@ -115,6 +122,8 @@ def main() -> None:
             table.append([rows, n, k, list(best[0][1])])
     if args.write_table:
         Path(args.write_table).write_text(json.dumps(table))
+    if args.write_tc_table:
+        Path(args.write_tc_table).write_text(json.dumps(tc_table))
 
 
 if __name__ == "__main__":

@@ -9,13 +9,17 @@ value / 256: kernels/fp8_kv.py) and a float16 dot on tensor cores multiplies the
 accumulated. The product is computed transposed, out^T = W x^T, so the weight tile is the
 dot's wide operand and the 1-16 rows are padded to the dot's minimum of 16 columns.
 
-x stays weight-only (no activation quantization): each row is divided by its max-abs before
+MODE 0 (W8A8) instead quantizes x per row and 128 inputs in the kernel, as the W8A8 GEMM
+does, and feeds the e4m3 weights to an e4m3 dot unconverted. Otherwise x stays weight-only
+(no activation quantization): each row is divided by its max-abs before
 it becomes float16 (x's own dtype may exceed float16's range), and the sums are multiplied
 back. Block scales multiply each step's float32 partial dot (a program's rows read their own
 block's scale), per-row scales the final sums.
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 import triton
@@ -26,6 +30,7 @@ from minisgl.kernels.fp8_kv import BITS_ASM, CVT, E4M3_BITS_FACTOR, _interpreted
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 16
+W8A8: tl.constexpr = tl.constexpr(0)  # MODE 0: the e4m3 weights straight into an e4m3 dot
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -48,17 +53,23 @@ def _fp8_gemv_tc_kernel(
     if ROW_SCALE:  # weights' scales: written by no kernel, read before the PDL wait
         s_col = tl.load(s_rows, mask=n_mask, other=0.0)
     pdl_wait(PDL)
-    amax = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):  # each row's max-abs (x is small: L1/L2 hits)
-        xt = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=0))
-    amax = tl.where(amax > 0, amax, 1.0)
+    amax = tl.full([BLOCK_M], 1.0, tl.float32)
+    if MODE != W8A8:
+        amax = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, k_dim, BLOCK_K):  # each row's max-abs (x is small: L1/L2 hits)
+            xt = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xt), axis=0))
+        amax = tl.where(amax > 0, amax, 1.0)
     inv = 1.0 / amax
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
-        w = fp8_tile_as_f16(tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0), False, MODE, ASM)
+        w = tl.load(w_ptrs + k0, mask=n_mask[:, None])  # rows past N: never stored
         xt = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0).to(tl.float32)
-        part = tl.dot(w, (xt * inv[None, :]).to(tl.float16))
+        if MODE == W8A8:  # x quantized per row and 128 inputs, as fp8_gemm.quantize_groups
+            xs = tl.maximum(tl.max(tl.abs(xt), axis=0), 1e-10) / 448.0
+            part = tl.dot(w, (xt / xs[None, :]).to(tl.float8e4nv)) * xs[None, :]
+        else:
+            part = tl.dot(fp8_tile_as_f16(w, False, MODE, ASM), (xt * inv[None, :]).to(tl.float16))
         if ROW_SCALE:
             acc += part
         else:
@@ -72,12 +83,24 @@ def _fp8_gemv_tc_kernel(
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-Tiles = tuple[int, int, int, int, int]  # (BLOCK_N, BLOCK_K, warps, stages, MODE)
+# (BLOCK_N, BLOCK_K, warps, stages, MODE): MODE 0 (W8A8) or fp8_kv.py's CVT / BITS_ASM.
+Tiles = tuple[int, int, int, int, int]
+
+
+# Tiles per (N, K), overriding the defaults: set by tuning runs (bench_fp8.py --tc
+# --write-tc-table, bench_latency.py --fp8-tc-table).
+TABLE: dict[tuple[int, int], Tiles] = {}
 
 
 def fp8_gemv_tc_tiles(rows: int, n_cols: int, k_dim: int) -> Tiles:
     """UNMEASURED defaults (benchmark/gpu/bench_fp8.py --tc sweeps them)."""
-    return 32, 128, 4, 4, CVT
+    return TABLE.get((n_cols, k_dim), (32, 128, 4, 4, CVT))
+
+
+def load_table(path: str) -> None:
+    """Read a JSON list of [N, K, Tiles] into TABLE."""
+    with open(path) as f:
+        TABLE.update({(n, k): (t[0], t[1], t[2], t[3], t[4]) for n, k, t in json.load(f)})
 
 
 def fp8_gemv_tc(
@@ -95,7 +118,8 @@ def fp8_gemv_tc(
     sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
     assert scales.shape == (n_cols // sn, k_dim // sk) and scales.dtype == torch.float32
     block_n, block_k, warps, stages, mode = tiles or fp8_gemv_tc_tiles(rows, n_cols, k_dim)
-    block_k = min(block_k, sk & -sk)  # steps inside one scale block
+    # Steps inside one scale block; W8A8: one step per activation group of 128.
+    block_k = 128 if mode == 0 else min(block_k, sk & -sk)
     assert k_dim % block_k == 0 and block_k >= 16, (k_dim, block_k)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -105,7 +129,7 @@ def fp8_gemv_tc(
     asm = not _interpreted()
     out_mul = E4M3_BITS_FACTOR if mode == BITS_ASM else 1.0
     _fp8_gemv_tc_kernel[(cdiv(n_cols, block_n),)](
-        x, weight.view(torch.uint8), scales, bias if bias is not None else scales, out, rows,
+        x, weight if mode == 0 else weight.view(torch.uint8), scales, bias if bias is not None else scales, out, rows,
         n_cols, k_dim, x.stride(0), out.stride(0), scales.stride(0), out_mul, SN=sn, SK=sk,
         ROW_SCALE=sk == k_dim, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, MODE=mode, ASM=asm, num_warps=warps, num_stages=stages, **pdl_args(),

@@ -80,6 +80,11 @@ def gemv_tc_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype
     got = fp8_gemv_tc(*args, tiles)  # type: ignore[arg-type]
     assert got.shape == (rows, n) and got.dtype == dtype
     xd, w = x.double().to(device), w.to(device)
+    if tiles[4] == 0:  # W8A8: against x as quantize_groups quantizes it
+        from minisgl.extensions.quantization.kernels.fp8_gemm import quantize_groups
+
+        xq, xs = quantize_groups(x.to(device))
+        xd = xq.double() * xs.double().repeat_interleave(128, 1)
     ref = xd @ w.T + (0 if b is None else b.double().to(device))
     _close(got, ref, 2**-10 * (xd.abs() @ w.abs().T), torch.finfo(dtype).eps)
 
@@ -115,10 +120,11 @@ def check_fp8_gemv_prefetch_and_run_sums(device: torch.device) -> None:
 
 
 def check_fp8_gemv_tensor_cores(device: torch.device) -> None:
-    """Both weight conversions (hardware cvt, bit moves / 256), block and per-row scales."""
+    """W8A8 and both weight conversions (hardware cvt, bit moves / 256), block and per-row
+    scales."""
     from minisgl.kernels.fp8_kv import BITS_ASM, CVT
 
-    for mode in (CVT, BITS_ASM):
+    for mode in (0, CVT, BITS_ASM):
         gemv_tc_case(1, 256, 384, 128, 128, torch.bfloat16, False, device, (32, 128, 4, 2, mode))
         gemv_tc_case(3, 256, 512, 128, 128, torch.bfloat16, True, device, (64, 128, 4, 3, mode))
         gemv_tc_case(2, 48, 256, 1, 128, torch.float32, False, device, (16, 64, 4, 2, mode))
