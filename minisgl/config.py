@@ -140,6 +140,11 @@ class EngineConfig:
         "run q/k norm, RoPE and the KV-cache store as separate kernels (CUDA; outputs are "
         "identical either way)",
     )
+    disable_fused_silu_down: bool = option(
+        False,
+        "run SiLU-and-mul as its own kernel before the down projection's batch-1 GEMV (CUDA; "
+        "outputs are identical either way)",
+    )
     tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size", low=1)
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP.

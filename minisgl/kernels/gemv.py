@@ -26,10 +26,23 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 MAX_ROWS = 4
 
 
+@triton.jit
+def _load_x(ptrs, mask, k_dim, SILU_X: tl.constexpr):
+    """A tile of x; SILU_X: x is the gated MLP's [gate | up] (each k_dim wide) and the tile
+    is silu(gate) * up, rounded as kernels/activation.py rounds it (the same bits)."""
+    if SILU_X:
+        dtype = ptrs.dtype.element_ty
+        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptrs + k_dim, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (act * up).to(dtype)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # (The peer-memory extension's pushing GEMV repeats the unbiased arithmetic
@@ -56,14 +69,14 @@ def _gemv_kernel(
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     x_mask0 = m_mask[:, None] & (offs_k < k_dim)[None, :]
-    x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask0, other=0.0)
+    x0 = _load_x(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], x_mask0, k_dim, SILU_X)
     acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
     for k0 in range(BLOCK_K, k_dim, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_dim
         w_mask = n_mask[:, None] & k_mask[None, :]
         x_off = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
-        x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x = _load_x(x_off, m_mask[:, None] & k_mask[None, :], k_dim, SILU_X).to(tl.float32)
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
@@ -114,9 +127,13 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    silu_x: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+    """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
+    ``silu_x``: x is a gated MLP's [M, 2K] gate and up, and the product is that of
+    silu(gate) * up (kernels/activation.py's result, bit for bit) without a kernel for it."""
     rows, k_dim = x.shape
+    k_dim = k_dim // 2 if silu_x else k_dim
     n_cols = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
     if x.stride(1) != 1:
@@ -128,7 +145,7 @@ def gemv(
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_BIAS=bias is not None, SILU_X=silu_x, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -77,6 +77,14 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+def gemv_silu_mul(
+    gate_up: torch.Tensor, weight: torch.Tensor, gemv_tiles: GemvTiles
+) -> torch.Tensor:
+    """One row of silu(gate) * up (``gate_up`` [1, 2K]) times weight [N, K]^T, in the GEMV
+    (kernels/gemv.py's silu_x): the same bits as silu_and_mul followed by the GEMV."""
+    return _gemv(gate_up, weight, None, gemv_tiles, silu_x=True)
+
+
 # Beyond this many rows MKL's GEMM is efficient and oneDNN gains little.
 ONEDNN_MAX_ROWS = 256
 

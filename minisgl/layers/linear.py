@@ -16,7 +16,7 @@ from torch import nn
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.distributed.reducer import active_reducer
 from minisgl.kernels import GemvTiles
-from minisgl.layers.cpu_linear import linear
+from minisgl.layers.cpu_linear import gemv_silu_mul, linear
 from minisgl.layers.quantization import QuantMethod
 
 
@@ -173,7 +173,19 @@ class RowParallelLinear(ShardedLinear):
         the norm that follows; layers/norm.py); the bias is then added on rank 0 alone."""
         if not reduce and (pushed := self._pushed_partial(x)) is not None:
             return pushed
-        y = self._product(x, None)
+        return self._finish(self._product(x, None), reduce)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor | None:
+        """forward(silu(gate) * up) for one row of a gated MLP's [gate | up], the activation
+        computed inside the batch-1 GEMV (no kernel of its own; the same bits); None where
+        that GEMV does not run this layer (then the caller runs the two steps)."""
+        if self.quant is not None or self.gemv_tiles is None or gate_up.shape[0] != 1:
+            return None
+        if not reduce and self.tp.size > 1 and active_reducer() is not None:
+            return None  # the TP reducer's pushing GEMV takes this product
+        return self._finish(gemv_silu_mul(gate_up, self.weight, self.gemv_tiles), reduce)
+
+    def _finish(self, y: torch.Tensor, reduce: bool) -> torch.Tensor:
         if reduce or self.tp.size == 1:
             y = all_reduce(y, self.tp)
         elif self.tp.rank != 0:

@@ -27,10 +27,27 @@ class GatedMLP(nn.Module):
             intermediate, cfg.hidden_size, cfg.mlp_bias, tp, cfg.quant
         )
         self.act = ACTIVATIONS[cfg.hidden_act]
+        # SiLU-and-mul inside down_proj's batch-1 GEMV (set_silu_fusion; same bits).
+        self.silu_in_down = False
+        self.is_silu = cfg.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: down_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        return self.down_proj(self.act(self.gate_up_proj(x)), reduce)
+        gate_up = self.gate_up_proj(x)
+        if (
+            self.silu_in_down
+            and (y := self.down_proj.forward_silu_mul(gate_up, reduce)) is not None
+        ):
+            return y
+        return self.down_proj(self.act(gate_up), reduce)
+
+
+def set_silu_fusion(model: nn.Module, enabled: bool) -> None:
+    """Turn the SiLU-and-mul + down-projection fusion of every SiLU gated MLP on or off (the
+    engine's ``disable_fused_silu_down``; it applies where down_proj runs the batch-1 GEMV)."""
+    for module in model.modules():
+        if isinstance(module, GatedMLP):
+            module.silu_in_down = enabled and module.is_silu
 
 
 class DecoderLayer(nn.Module):

@@ -192,6 +192,25 @@ def test_pdl_on_off_identical(tiny: Path) -> None:
     assert outs[0] == outs[1]
 
 
+def test_silu_down_fusion_identical(tiny: Path) -> None:
+    """bf16, one request at a time (the batch-1 GEMV; graphs, overlap): SiLU-and-mul inside
+    down_proj's GEMV gives exactly the tokens of the separate kernel, and is taken."""
+    from minisgl.models.decoder_layer import GatedMLP
+
+    prompts, params = _workload()
+    outs = []
+    for disable in (True, False):
+        llm = LLM(str(tiny), disable_fused_silu_down=disable)
+        mlps = [m for m in llm.engine.model.modules() if isinstance(m, GatedMLP)]
+        assert mlps and all(m.down_proj.gemv_tiles is not None for m in mlps)
+        assert all(m.silu_in_down == (not disable) for m in mlps)
+        outs.append(
+            [llm.generate([p], [sp])[0]["token_ids"] for p, sp in zip(prompts[:8], params[:8])]
+        )
+        assert_engine_clean(llm)
+    assert outs[0] == outs[1]
+
+
 def test_structured_output_on_gpu(tiny: Path) -> None:
     """Constrained rows (bf16 logits masked on the device) next to free ones: with CUDA graphs
     and overlap scheduling (constrained batches read back before the next launch) the tokens

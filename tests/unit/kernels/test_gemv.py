@@ -69,6 +69,22 @@ def check_gemv_tile_rule(device: torch.device) -> None:
     assert gemv_choice(2, 1024, 1024) is None and gemv_choice(1, 151936, 1024) is None
 
 
+def check_gemv_silu_mul_prologue(device: torch.device) -> None:
+    """silu_x: the GEMV of a gated MLP's [gate | up] equals silu_and_mul then the GEMV, bit
+    for bit (16-bit dtypes, 1 row as the model runs it and 3; K off the tile sizes)."""
+    from minisgl.kernels.activation import silu_and_mul
+    from minisgl.kernels.gemv import gemv, gemv_choice
+
+    g = torch.Generator().manual_seed(5)
+    for rows, n, k, dtype in ((1, 64, 700, torch.bfloat16), (3, 40, 256, torch.float16)):
+        gate_up = (torch.randn(rows, 2 * k, generator=g) * 3).to(dtype).to(device)
+        w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(device)
+        tiles = gemv_choice(1, n, k) if rows == 1 else None
+        want = gemv(silu_and_mul(gate_up), w, None, tiles)
+        got = gemv(gate_up, w, None, tiles, silu_x=True)
+        assert got.shape == (rows, n) and torch.equal(got, want)
+
+
 CHECKS = kernel_checks.collect(globals())
 
 
