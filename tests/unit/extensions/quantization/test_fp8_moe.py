@@ -153,6 +153,64 @@ def check_fp8_moe_no_host_sync(device: torch.device) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+def _build_moe(path: Path, device: torch.device) -> torch.nn.Module:
+    """The sparse MoE layer (layer 1) of a checkpoint, loaded on ``device``."""
+    from minisgl.distributed import TPInfo
+    from minisgl.models.config import ModelConfig
+    from minisgl.models.loader import iter_safetensors, load_weights
+    from minisgl.models.registry import build_model
+
+    cfg = ModelConfig.from_dir(path)
+    with device:
+        model = build_model(cfg, TPInfo(), cfg.max_position)
+    load_weights(model, iter_safetensors(path, device))
+    return model.model.layers[1].mlp
+
+
+def check_fp8_moe_layer_keeps_e4m3(device: torch.device) -> None:
+    """A tiny Qwen3-MoE FP8 checkpoint (block-wise, per channel): the layer keeps its experts
+    e4m3 with their scale grids, which dequantize to the float twin's weights exactly, and
+    its forward is the FP8 kernel's, checked as above against the twin's weights. On CPU the
+    layer is made to keep them (it dequantizes there), to run the kernel interpreted."""
+    import contextlib
+    import tempfile
+    from unittest import mock
+
+    from minisgl.extensions.quantization.fp8 import Fp8Method, keep_fp8_experts
+    from minisgl.extensions.quantization.kernels.fp8_moe import fp8_moe
+    from tests.fp8_checkpoints import write_fp8
+    from tests.helpers import make_tiny_model
+
+    def keep(self: Fp8Method, moe: torch.nn.Module, dtype: torch.dtype) -> bool:
+        return keep_fp8_experts(moe, self, dtype)
+
+    shape = dict(hidden_size=128, moe_intermediate_size=128, intermediate_size=256,
+                 head_dim=64, num_experts=5, num_experts_per_tok=2)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        src = make_tiny_model(Path(tmp) / "src", "qwen3_moe", seed=3, **shape)
+        for kind, (sn, sk) in (("block", (128, 128)), ("channel", (1, 128))):
+            q, ref = write_fp8(src, Path(tmp) / f"{kind}_q", Path(tmp) / f"{kind}_r", kind,
+                               block=(128, 128), seed=len(kind))  # fmt: skip
+            cpu = device.type == "cpu"
+            patch = mock.patch.object(Fp8Method, "keep_experts", keep)
+            with patch if cpu else contextlib.nullcontext():
+                moe = _build_moe(q, device)
+            twin = _build_moe(ref, device)
+            assert moe.kernel_quant is not None and "w13" not in moe._parameters
+            for name in ("w13", "w2"):
+                w, s = moe.get_buffer(name), moe.get_buffer(f"{name}_wscale")
+                assert w.dtype == E4M3 and s.shape[1:] == (w.shape[1] // sn, w.shape[2] // sk)
+                deq = w.float() * s.repeat_interleave(sn, 1).repeat_interleave(sk, 2)
+                assert torch.equal(deq, twin.get_parameter(name)), (kind, name)
+            x = torch.randn(33, 128, generator=torch.Generator().manual_seed(0)).to(device)
+            weights, ids = select_experts(moe.gate(x), 2, renormalize=True)
+            ws = (moe.get_buffer(n) for n in ("w13", "w13_wscale", "w2", "w2_wscale"))
+            w13, w2 = twin.w13.double(), twin.w2.double()
+            assert_fp8_moe((x, *ws, weights, ids, w13, w2))
+            ws = (moe.get_buffer(n) for n in ("w13", "w13_wscale", "w2", "w2_wscale"))
+            assert torch.equal(moe(x), fp8_moe(x, *ws, weights, ids))  # the layer's path
+
+
 CHECKS = kernel_checks.collect(globals())
 
 test_interpreted, test_on_gpu = kernel_checks.make_tests(__file__, CHECKS)
