@@ -29,7 +29,6 @@ but are not used: the kernels quantize activations dynamically (or not at all, 1
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,7 @@ from minisgl.extensions.quantization.fp8_cuda import (
     pack_fp8,
     set_fp8_buffers,
 )
-from minisgl.extensions.quantization.int4 import config_int, register_raw
+from minisgl.extensions.quantization.int4 import register_raw
 from minisgl.extensions.quantization.switches import FP8_KERNELS
 from minisgl.layers.quantization import MissingTensor, ShardFn
 
@@ -116,70 +115,6 @@ def _per_element(scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Te
     if block is None:
         return scale
     return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-
-
-# ------------------------------------------------------------------ configs
-def _section(value: object, field: str) -> Mapping[str, object]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{field}={value!r} is not supported (a mapping)")
-    return value
-
-
-def parse_fp8(d: Mapping[str, object]) -> Fp8Method:
-    """The method of a ``quant_method: fp8`` config; ValueError naming any field it does not run."""
-    fmt = str(d.get("fmt", "e4m3")).lower()
-    if fmt != "e4m3":
-        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported (e4m3 only)")
-    scheme = str(d.get("activation_scheme", "dynamic")).lower()
-    if scheme not in ("dynamic", "static"):
-        raise ValueError(f"quantization_config.activation_scheme={scheme!r} is not supported")
-    size = d.get("weight_block_size")
-    if size is not None and not (
-        isinstance(size, list) and len(size) == 2 and all(config_int(b) > 0 for b in size)
-    ):
-        raise ValueError(f"quantization_config.weight_block_size={size!r} is not supported")
-    block = (config_int(size[0]), config_int(size[1])) if isinstance(size, list) else None
-    static = "quantization_config.activation_scheme='static'" if scheme == "static" else ""
-    return Fp8Method("fp8", "weight_scale_inv", block, static_field=static)
-
-
-def _expect(section: Mapping[str, object], field: str, **want: object) -> None:
-    for key, value in want.items():
-        got = section.get(key, True if key == "symmetric" else None)
-        if got != value:
-            raise ValueError(f"{field}.{key}={got!r} is not supported ({value!r} only)")
-
-
-def parse_compressed_tensors(d: Mapping[str, object]) -> Fp8Method:
-    """The method of a compressed-tensors ``float-quantized`` config (FP8 weights per channel
-    or per tensor); ValueError naming any field it does not run."""
-    root = "quantization_config"
-    _expect(d, root, format="float-quantized")
-    groups = _section(d.get("config_groups"), f"{root}.config_groups")
-    strategies: set[str] = set()
-    static = ""
-    for key, value in groups.items():
-        field = f"{root}.config_groups.{key}"
-        weights = _section(_section(value, field).get("weights"), f"{field}.weights")
-        _expect(weights, f"{field}.weights", num_bits=8, type="float", symmetric=True)
-        strategy = str(weights.get("strategy"))
-        if strategy not in ("channel", "tensor"):
-            raise ValueError(f"{field}.weights.strategy={strategy!r} is not supported")
-        strategies.add(strategy)
-        acts = _section(value, field).get("input_activations")
-        if acts is not None:
-            acts = _section(acts, f"{field}.input_activations")
-            _expect(acts, f"{field}.input_activations", num_bits=8, type="float")
-            if not acts.get("dynamic"):
-                static = f"{field}.input_activations.dynamic=false"
-    if len(strategies) != 1:
-        raise ValueError(f"{root}.config_groups: weights.strategy {sorted(strategies)} (one only)")
-    return Fp8Method(
-        "compressed-tensors",
-        "weight_scale",
-        per_channel="channel" in strategies,
-        static_field=static,
-    )
 
 
 # ------------------------------------------------------------------ the layer's parameters
@@ -317,8 +252,8 @@ def finish_fp8(
 def keep_fp8_experts(moe: nn.Module, method: Fp8Method, dtype: torch.dtype) -> bool:
     """``moe``'s w13 and w2 become e4m3 buffers and their scale grids (fp8_cuda.pack_fp8:
     ``w13``, ``w13_wscale``, ``w2``, ``w2_wscale``) where every row of both is e4m3 and the
-    FP8 MoE kernel takes both layouts (True); else nothing changes (False). Any device: the
-    caller decides where the kernel runs (tests run it under Triton's interpreter)."""
+    FP8 MoE kernel takes both layouts (True); else nothing changes (False). On every device:
+    the caller decides where the kernel runs (tests run it under Triton's interpreter)."""
     packed = {}
     for name in ("w13", "w2"):
         w, fp8, scales = _fp8_rows(moe, name, method, dtype)
