@@ -247,6 +247,7 @@ def launch_moe_gemm(
     if scales is not None:
         sn, sk = b.shape[1] // scales.b.shape[1], k_dim // scales.b.shape[2]
         assert k_dim % block_k == 0 and sk % block_k == 0, (k_dim, sk)
+        assert scales.a.stride(1) == 1 and scales.b.stride(2) == 1  # the kernel steps K by 1
     a_s, b_s = scales if scales is not None else (c, c)
     _moe_gemm_kernel[grid](
         a, b, c, weights if weights is not None else c, a_s, b_s,
