@@ -10,9 +10,15 @@ expert and reads that expert's weight tile. Two launches of one kernel then do t
 and a torch sum over top_k combines the pairs. Nothing reads a device value on the host, so
 decode steps can be captured in CUDA graphs: launch grids are sized from the worst-case
 padding (a function of T alone) and blocks past the real padded length exit at once.
+
+The same kernel multiplies FP8 operands (constexpr ``FP8``; `GemmScales`, launched by the
+quantization extension's kernels/fp8_moe.py): e4m3 A and B, one K step per 128-input group,
+each step's dot scaled by its rows' activation scales and its columns' weight scales.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,6 +34,8 @@ def _moe_gemm_kernel(
     b_ptr,
     c_ptr,
     weight_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
     sorted_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -43,6 +51,9 @@ def _moe_gemm_kernel(
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_asm,
+    stride_bse,
+    stride_bsn,
     A_ROW_DIV: tl.constexpr,
     FUSE_SILU: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -52,12 +63,17 @@ def _moe_gemm_kernel(
     GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
+    SN: tl.constexpr,
+    SK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """C[pair, n] = A[pair // A_ROW_DIV] @ B[expert].T for the pairs of one aligned block.
 
     B is [E, N_total, K]; with FUSE_SILU the program also computes the "up" columns
-    ``up_offset`` rows further down B and stores silu(gate) * up.
+    ``up_offset`` rows further down B and stores silu(gate) * up. With FP8, A and B are
+    e4m3, BLOCK_K is the activations' group, ``a_scale`` [rows of A, K/BLOCK_K] and
+    ``b_scale`` [E, N_total/SN, K/SK] float32 (contiguous along K).
     """
     pdl_wait(PDL)
     # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N
@@ -82,6 +98,11 @@ def _moe_gemm_kernel(
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    # FP8 scales (dead code otherwise): the rows' per-group activation scales, the columns'
+    # weight scales (gate and up rows each read their own block row).
+    as_ptrs = a_scale_ptr + a_row * stride_asm
+    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // SN) * stride_bsn
+    bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + up_offset) // SN) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless FUSE_SILU
     for k0 in range(0, k_dim, BLOCK_K):
@@ -91,14 +112,23 @@ def _moe_gemm_kernel(
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if FP8:
+            a_s = tl.load(as_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
+            b_s = tl.load(bs_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * b_s
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         if FUSE_SILU:
             b_up = tl.load(
                 b_ptrs + up_offset * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0.0
             )
             if UPCAST:
                 b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+            if FP8:
+                b_up_s = tl.load(bs_up_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * b_up_s
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -162,7 +192,8 @@ def moe_align_block_size(
     return sorted_pairs, block_expert, padded_end[-1:].to(torch.int32)
 
 
-def _block_m(num_pairs: int, num_experts: int) -> int:
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """BLOCK_M of the grouped GEMM (and of the alignment) for ``num_pairs`` routed pairs."""
     # Expected pairs per expert decides how much of a block is padding: small blocks for
     # decode (a handful of tokens per expert), larger ones for prefill.
     per_expert = num_pairs / num_experts
@@ -171,7 +202,27 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     return 32 if per_expert <= 64 else 64
 
 
-def _launch_gemm(
+class GemmScales(NamedTuple):
+    """The scales of FP8 operands of `launch_moe_gemm`: ``a`` float32 [rows of A, K/128]
+    (one per token and 128 inputs), ``b`` float32 [E, N_total/SN, K/SK] (one per SN rows and
+    SK inputs of an expert's weight; SK a multiple of 128, both contiguous along K)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _tiles(a: torch.Tensor, n_out: int, k_dim: int, fp8: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages); FP8 steps K one 128-input activation group at a time."""
+    block_n = 64 if n_out >= 64 else max(16, triton.next_power_of_2(n_out))
+    if fp8:
+        return block_n, 128, 3
+    block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
+    if a.dtype == torch.float32 and not _INTERPRETED:
+        block_k = min(block_k, 32)  # fp32 tiles double the shared memory per stage
+    return block_n, block_k, 2 if a.dtype == torch.float32 else 3
+
+
+def launch_moe_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
@@ -180,51 +231,35 @@ def _launch_gemm(
     block_m: int,
     a_row_div: int,
     fuse_silu: bool,
+    scales: GemmScales | None = None,
 ) -> None:
+    """One launch of the grouped GEMM (see `_moe_gemm_kernel`); ``scales``: A and B are
+    e4m3 (K a multiple of 128)."""
     sorted_pairs, block_expert, num_padded = align
     n_out, k_dim = c.shape[1], b.shape[2]
-    block_n = 64 if n_out >= 64 else max(16, triton.next_power_of_2(n_out))
-    block_k = 64 if k_dim >= 64 else max(16, triton.next_power_of_2(k_dim))
-    if a.dtype == torch.float32 and not _INTERPRETED:
-        block_k = min(block_k, 32)  # fp32 tiles double the shared memory per stage
+    block_n, block_k, stages = _tiles(a, n_out, k_dim, scales is not None)
     num_pid_m = block_expert.numel()
     grid = (num_pid_m * triton.cdiv(n_out, block_n),)
     # fp32 would otherwise run on TF32 tensor cores (~1e-3 error); 16-bit ignores the flag.
     # Triton's interpreter multiplies the raw bits of bf16 tl.dot operands: upcast there.
     upcast = _INTERPRETED and a.dtype != torch.float32
+    sn = sk = 1  # unused without scales
+    if scales is not None:
+        sn, sk = b.shape[1] // scales.b.shape[1], k_dim // scales.b.shape[2]
+        assert k_dim % block_k == 0 and sk % block_k == 0, (k_dim, sk)
+        assert scales.a.stride(1) == 1 and scales.b.stride(2) == 1  # the kernel steps K by 1
+    a_s, b_s = scales if scales is not None else (c, c)
     _moe_gemm_kernel[grid](
-        a,
-        b,
-        c,
-        weights if weights is not None else c,
-        sorted_pairs,
-        block_expert,
-        num_padded,
-        c.shape[0],
-        n_out,
-        k_dim,
+        a, b, c, weights if weights is not None else c, a_s, b_s,
+        sorted_pairs, block_expert, num_padded, c.shape[0], n_out, k_dim,
         n_out,  # up rows of w13 follow the n_out gate rows (local shard: [gate; up])
-        num_pid_m,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        c.stride(0),
-        c.stride(1),
-        A_ROW_DIV=a_row_div,
-        FUSE_SILU=fuse_silu,
-        MUL_WEIGHT=weights is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GROUP_M=8,
-        DOT_PREC="ieee" if upcast or a.dtype == torch.float32 else "tf32",
-        UPCAST=upcast,
-        num_warps=4,
-        num_stages=2 if a.dtype == torch.float32 else 3,
-        **pdl_args(),
-    )
+        num_pid_m, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        c.stride(0), c.stride(1), a_s.stride(0), b_s.stride(0), b_s.stride(1),
+        A_ROW_DIV=a_row_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=weights is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+        DOT_PREC="ieee" if upcast or a.dtype == torch.float32 else "tf32", UPCAST=upcast,
+        FP8=scales is not None, SN=sn, SK=sk, num_warps=4, num_stages=stages, **pdl_args(),
+    )  # fmt: skip
 
 
 def fused_moe(
@@ -243,11 +278,11 @@ def fused_moe(
     if tokens == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    block_m = _block_m(num_pairs, num_experts)
+    block_m = moe_block_m(num_pairs, num_experts)
     align = moe_align_block_size(topk_ids, num_experts, block_m)
     act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-    _launch_gemm(x, w13, act, None, align, block_m, top_k, fuse_silu=True)
+    launch_moe_gemm(x, w13, act, None, align, block_m, top_k, fuse_silu=True)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(x.dtype)
-    _launch_gemm(act, w2, out, weights, align, block_m, 1, fuse_silu=False)
+    launch_moe_gemm(act, w2, out, weights, align, block_m, 1, fuse_silu=False)
     return out.view(tokens, top_k, hidden).sum(dim=1)

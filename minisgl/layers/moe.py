@@ -6,9 +6,11 @@ by expert id: ``w13`` [E, 2 * I/tp, H] holds each expert's gate rows then up row
 (like a ColumnParallel gate_up followed by a RowParallel down) and all-reduces the output.
 The router is replicated. CUDA tensors go through the fused Triton kernel, others through
 the torch reference below. A quantized checkpoint whose method loads experts
-(layers/quantization.py's ExpertQuantMethod: FP8) creates w13 and w2 and their scales and
-leaves them float once loaded (``finish_loading``); their loaders below shard every tensor
-by its own width along the intermediate dimension (scales in whole blocks).
+(layers/quantization.py's ExpertQuantMethod: FP8) creates w13 and w2 and their scales; their
+loaders below shard every tensor by its own width along the intermediate dimension (scales
+in whole blocks). Once loaded (``finish_loading``) a method that computes experts itself
+(ExpertKernelQuantMethod: FP8 on CUDA) may keep them quantized, and then runs them in place
+of the fused kernel; otherwise they become float weights.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.layers.activation import ACTIVATIONS
 from minisgl.layers.linear import ReplicatedLinear
-from minisgl.layers.quantization import ExpertQuantMethod
+from minisgl.layers.quantization import ExpertKernelQuantMethod, ExpertQuantMethod
 from minisgl.models.config import ModelConfig
 
 # Shard id meaning "the packed tensor of all experts" (transformers 5 fused checkpoints);
@@ -94,6 +96,7 @@ class SparseMoE(nn.Module):
         self.gate = ReplicatedLinear(hidden, e)  # router; HF name mlp.gate.weight
         quant = cfg.quant if isinstance(cfg.quant, ExpertQuantMethod) else None
         self.quant = quant
+        self.kernel_quant: ExpertKernelQuantMethod | None = None  # set where it kept experts
         for name, shape, load in (
             ("w13", (e, 2 * li, hidden), self.load_w13),
             ("w2", (e, hidden, li), self.load_w2),
@@ -134,17 +137,26 @@ class SparseMoE(nn.Module):
             param.data[shard_id].copy_(self._inter_slice(loaded, 1, width))
 
     def finish_loading(self, dtype: torch.dtype) -> None:
-        """Called once the checkpoint is loaded (models/loader.py): quantized experts become
+        """Called once the checkpoint is loaded (models/loader.py): quantized experts stay
+        quantized where their method keeps them (it computes them from then on), else become
         float weights in ``dtype``."""
-        if self.quant is not None:
-            for name in ("w13", "w2"):
-                self.quant.finish_expert_weights(self, name, dtype)
-            self.quant = None
+        quant, self.quant = self.quant, None
+        if quant is None:
+            return
+        # The methods' kernels fuse SiLU-mul only, as kernels/moe.py does.
+        if isinstance(quant, ExpertKernelQuantMethod) and self.act == "silu":
+            if quant.keep_experts(self, dtype):
+                self.kernel_quant = quant
+                return
+        for name in ("w13", "w2"):
+            quant.finish_expert_weights(self, name, dtype)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: this rank's partial sum, for the caller to all-reduce."""
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        if x.is_cuda and self.act == "silu":
+        if self.kernel_quant is not None:
+            out = self.kernel_quant.apply_experts(self, x, weights, ids)
+        elif x.is_cuda and self.act == "silu":
             # Imported here so CPU-only installs never need triton.
             from minisgl.kernels.moe import fused_moe
 

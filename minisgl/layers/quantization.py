@@ -15,8 +15,9 @@ it to:
 3. compute the layer's product (``apply``).
 
 A method may also load mixture-of-experts weights (`ExpertQuantMethod`, layers/moe.py; a
-method without it is refused for MoE models) and write random weights in its checkpoint's
-form for ``--load-format dummy`` (`DummyQuantizer`, models/loader.py). A tensor that a layer
+method without it is refused for MoE models), keep them quantized and compute them
+(`ExpertKernelQuantMethod`), and write random weights in its checkpoint's form for
+``--load-format dummy`` (`DummyQuantizer`, models/loader.py). A tensor that a layer
 needs and the checkpoint lacks fails at ``finish_loading`` with `MissingTensor`, which the
 loader names by its checkpoint name.
 
@@ -98,6 +99,26 @@ class ExpertQuantMethod(QuantMethod, Protocol):
 
     def finish_expert_weights(self, moe: nn.Module, name: str, dtype: torch.dtype) -> None:
         """After loading: ``name`` becomes a float parameter in ``dtype``."""
+        ...
+
+
+@runtime_checkable
+class ExpertKernelQuantMethod(ExpertQuantMethod, Protocol):
+    """An expert method that may keep the experts quantized and compute them itself (FP8 on
+    CUDA). layers/moe.py asks it first, once loaded, and falls back to the float experts of
+    ``finish_expert_weights`` where it declines."""
+
+    def keep_experts(self, moe: nn.Module, dtype: torch.dtype) -> bool:
+        """After loading: True where ``moe``'s ``w13`` and ``w2`` (both) now hold the form
+        `apply_experts` computes with; False, nothing changed, where the device, the layout
+        or a switch rules that out."""
+        ...
+
+    def apply_experts(
+        self, moe: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """kernels/moe.fused_moe's contract on the kept experts (SiLU-gated): x [T, H] ->
+        sum_k w_k * expert_k(x) [T, H] in x's dtype; nothing read on the host."""
         ...
 
 

@@ -1,11 +1,13 @@
 """GPU checks of FP8 checkpoints kept in e4m3 (run through the device tool:
 `python -m pytest tests/gpu/test_fp8_gpu.py -m gpu`).
 
-The kernels at Qwen3-8B's shapes against the float64 product of the same activations and
-the dequantized weights (tolerances from the accumulation: see test_fp8_kernels.py, whose
-small-shape checks run natively under the same marker); and a tiny Qwen3 FP8 checkpoint
+The kernels at Qwen3-8B's shapes, and the fused FP8 MoE at Qwen3-30B-A3B's expert shapes,
+against the float64 product of the same activations and the dequantized weights
+(tolerances from the accumulation: see test_fp8_kernels.py and test_fp8_moe.py, whose
+small-shape checks run natively under the same marker); a tiny Qwen3 FP8 checkpoint
 (block-wise 128 x 128) served with CUDA graphs, teacher-forced against its dequantized bf16
-twin over 512 decode positions.
+twin over 512 decode positions; and a tiny Qwen3-MoE FP8 checkpoint whose experts stay
+e4m3, likewise (the FP8 MoE replayed in CUDA graphs).
 
 Decisive logits: a random tiny model's top-2 logits are close (bf16 against float32 alone
 flips ~4% of its argmaxes, W8A8 activation rounding ~13%, measured on CPU), so the model is
@@ -21,10 +23,11 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from minisgl.extensions.quantization import FP8_GEMV
+from minisgl.extensions.quantization import FP8_GEMV, FP8_KERNELS
 from tests.fp8_checkpoints import write_fp8
 from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.unit.extensions.quantization.test_fp8_kernels import gemm_case, gemv_case
+from tests.unit.extensions.quantization.test_fp8_moe import assert_fp8_moe, fp8_moe_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,15 +50,24 @@ def test_fp8_gemm_8b_shapes(n: int, k: int) -> None:
         gemm_case(rows, n, k, 128, 128, torch.bfloat16, False, CUDA)
 
 
-@pytest.fixture(scope="module")
-def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("i", [768, 384], ids=["tp1", "tp2"])
+def test_fp8_moe_30b_a3b_shapes(tokens: int, i: int) -> None:
+    """Qwen3-30B-A3B's experts (128, top-8, hidden 2048, moe_intermediate 768 per rank at
+    TP 1, 384 at TP 2), block scales 128 x 128."""
+    case = fp8_moe_case(tokens, 128, 8, 2048, i, 128, 128, torch.bfloat16, CUDA, seed=tokens)
+    assert_fp8_moe(case)
+
+
+TINY = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)  # fmt: skip
+
+
+def _decisive_fp8(root: Path, arch: str, **overrides: object) -> tuple[Path, Path]:
+    """A tiny model made decisive (see above), as a block-wise FP8 checkpoint and its twin."""
     from safetensors.torch import load_file, save_file
 
-    root = tmp_path_factory.mktemp("fp8gpu")
-    src = make_tiny_model(
-        root / "qwen3", "qwen3", hidden_size=256, intermediate_size=512, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-    )  # fmt: skip
+    src = make_tiny_model(root / arch, arch, **TINY, **overrides)  # type: ignore[arg-type]
     w = load_file(str(src / "model.safetensors"))
     emb = w["model.embed_tokens.weight"]
     perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(1))
@@ -66,6 +78,18 @@ def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     w["model.embed_tokens.weight"] = emb * 16
     save_file(w, str(src / "model.safetensors"), metadata={"format": "pt"})
     return write_fp8(src, root / "fp8", root / "ref", "block", block=(128, 128))
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _decisive_fp8(tmp_path_factory.mktemp("fp8gpu"), "qwen3")
+
+
+@pytest.fixture(scope="module")
+def fp8_moe_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Qwen3-MoE: layer 0 dense, layer 1 sparse (7 experts of 128 inputs, top-2)."""
+    root = tmp_path_factory.mktemp("fp8moegpu")
+    return _decisive_fp8(root, "qwen3_moe", moe_intermediate_size=128, num_experts=7)
 
 
 def _agreement(
@@ -93,14 +117,18 @@ PROMPT = list(range(10, 26))
 GRAPHS = dict(dtype="bfloat16", cuda_graph_max_bs=4)  # CUDA graphs on, few to capture
 
 
-@pytest.fixture(scope="module")
-def twin_greedy(fp8_model: tuple[Path, Path]) -> dict:
+def _twin_greedy(twin_path: Path) -> dict:
     """The bf16 twin's 512 greedy tokens and their logprobs."""
     params = SamplingParams(temperature=0, max_tokens=512, ignore_eos=True, logprobs=True)
-    twin = LLM(str(fp8_model[1]), **GRAPHS)  # type: ignore[arg-type]
+    twin = LLM(str(twin_path), **GRAPHS)  # type: ignore[arg-type]
     out = twin.generate([PROMPT], params, use_tqdm=False)[0]
     twin.close()
     return out
+
+
+@pytest.fixture(scope="module")
+def twin_greedy(fp8_model: tuple[Path, Path]) -> dict:
+    return _twin_greedy(fp8_model[1])
 
 
 @pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "w8a8_gemm"])
@@ -118,3 +146,23 @@ def test_fp8_engine_teacher_forced_top1(
     print(f"fp8 {'GEMV' if gemv else 'W8A8 GEMM'}: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
     assert top1 >= 0.99 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)
+
+
+def test_fp8_moe_engine_keeps_e4m3_experts(fp8_moe_model: tuple[Path, Path]) -> None:
+    """The sparse layer's experts stay e4m3 (the FP8 MoE kernel, in CUDA graphs for decode)
+    and decode as the bf16 twin, teacher-forced; MINISGL_FP8_KERNELS=0 dequantizes them."""
+    want = _twin_greedy(fp8_moe_model[1])
+    llm = LLM(str(fp8_moe_model[0]), **GRAPHS)  # type: ignore[arg-type]
+    moe = llm.engine.model.model.layers[1].mlp  # type: ignore[union-attr,index]
+    assert moe.kernel_quant is not None and moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn
+    assert moe.w13_wscale.shape == (7, 2, 2) and moe.w2_wscale.shape == (7, 2, 1)
+    top1, diff = _agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
+    print(f"fp8 MoE: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
+    assert top1 >= 0.98 and diff < 0.05, (top1, diff)
+    assert_engine_clean(llm)
+    llm.close()
+    with env.override({FP8_KERNELS: False}):
+        off = LLM(str(fp8_moe_model[0]), **GRAPHS)  # type: ignore[arg-type]
+    moe = off.engine.model.model.layers[1].mlp  # type: ignore[union-attr,index]
+    assert moe.kernel_quant is None and moe.w13.dtype == torch.bfloat16
+    off.close()

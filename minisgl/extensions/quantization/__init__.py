@@ -1,7 +1,8 @@
 """Quantized checkpoints, methods of minisgl/layers/quantization.py: 4-bit GPTQ and AWQ
-(int4.py; kernels/ for CUDA), registered for ``quant_method`` gptq and awq; FP8 (fp8.py),
-registered for fp8 and compressed-tensors; and GGUF blocks kept quantized on CPU (gguf.py,
-csrc/gguf_cpu.c), registered as ``gguf``.
+(int4.py; kernels/ for CUDA), registered for ``quant_method`` gptq and awq; FP8 (fp8.py;
+configs in fp8_config.py, MoE experts on kernels/fp8_moe.py), registered for fp8 and
+compressed-tensors; and GGUF blocks kept quantized on CPU (gguf.py, csrc/gguf_cpu.c),
+registered as ``gguf``.
 
 Registering imports nothing heavy: the method's module (torch) is imported when a
 checkpoint asks for it.
@@ -34,11 +35,11 @@ def parse_gguf(config: Mapping[str, object]) -> QuantMethod:
 
 
 def parse_fp8(config: Mapping[str, object]) -> QuantMethod:
-    from minisgl.extensions.quantization import fp8
+    from minisgl.extensions.quantization import fp8_config
 
     if str(config.get("quant_method", "")).lower() == "fp8":
-        return fp8.parse_fp8(config)
-    return fp8.parse_compressed_tensors(config)
+        return fp8_config.parse_fp8(config)
+    return fp8_config.parse_compressed_tensors(config)
 
 
 register_quant_method("gptq", parse)

@@ -1,4 +1,4 @@
-"""FP8 checkpoints, dense layers and MoE experts: e4m3 on CUDA (dense), else dequantized at load.
+"""FP8 checkpoints, dense layers and MoE experts: e4m3 on CUDA, else dequantized at load.
 
 Formats (Hugging Face ``quantization_config``), for a linear y = x W^T with W [N, K] and a
 ``weight`` in e4m3 (float8_e4m3fn):
@@ -19,23 +19,28 @@ over its rows, so the layers' own sharding (merged q/k/v and gate/up, column- an
 row-parallel TP, expert slices) applies unchanged; row-parallel ranks and the experts'
 down projections split K along whole scale blocks. ``finish_loading`` then turns a dense
 layer on CUDA into e4m3 weights and float32 scales for the FP8 kernels (fp8_cuda.py; unless
-MINISGL_FP8_KERNELS=0): half the bytes of bf16. Elsewhere (CPU, MoE experts, layouts the
-kernels do not take) it multiplies the scales in (float32 products, rounded once to the
-compute dtype) and the layer runs the float path. Static input scales must be in the file
+MINISGL_FP8_KERNELS=0): half the bytes of bf16; ``keep_experts`` does the same for a MoE
+layer's experts (kernels/fp8_moe.py). Elsewhere (CPU, layouts the kernels do not take) it
+multiplies the scales in (float32 products, rounded once to the compute dtype) and the
+layer runs the float path. Static input scales must be in the file
 but are not used: the kernels quantize activations dynamically (or not at all, 1-4 rows).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from minisgl.extensions.quantization.fp8_cuda import fp8_forward, pack_fp8, set_fp8_buffers
-from minisgl.extensions.quantization.int4 import config_int, register_raw
+from minisgl.extensions.quantization.fp8_cuda import (
+    fp8_experts_forward,
+    fp8_forward,
+    pack_fp8,
+    set_fp8_buffers,
+)
+from minisgl.extensions.quantization.int4 import register_raw
 from minisgl.extensions.quantization.switches import FP8_KERNELS
 from minisgl.layers.quantization import MissingTensor, ShardFn
 
@@ -45,7 +50,8 @@ E4M3_MAX = 448.0
 
 @dataclass(frozen=True)
 class Fp8Method:
-    """FP8 weights (a layers/quantization.py QuantMethod, ExpertQuantMethod, DummyQuantizer)."""
+    """FP8 weights (a layers/quantization.py QuantMethod, ExpertKernelQuantMethod,
+    DummyQuantizer)."""
 
     name: str  # the checkpoint's quant_method: "fp8" or "compressed-tensors"
     scale_name: str  # "weight_scale_inv" (fp8) or "weight_scale" (compressed-tensors)
@@ -71,6 +77,17 @@ class Fp8Method:
 
     def finish_expert_weights(self, moe: nn.Module, name: str, dtype: torch.dtype) -> None:
         finish_fp8(moe, name, self, dtype)
+
+    def keep_experts(self, moe: nn.Module, dtype: torch.dtype) -> bool:
+        """CUDA, MINISGL_FP8_KERNELS on: e4m3 experts for kernels/fp8_moe.py."""
+        if not FP8_KERNELS.get() or not moe.get_parameter("w13").is_cuda:
+            return False
+        return keep_fp8_experts(moe, self, dtype)
+
+    def apply_experts(
+        self, moe: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fp8_experts_forward(moe, x, topk_weights, topk_ids)
 
     def quantize(self, name: str, weight: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Max-abs scaling per block, row or tensor (--load-format dummy)."""
@@ -98,70 +115,6 @@ def _per_element(scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Te
     if block is None:
         return scale
     return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-
-
-# ------------------------------------------------------------------ configs
-def _section(value: object, field: str) -> Mapping[str, object]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{field}={value!r} is not supported (a mapping)")
-    return value
-
-
-def parse_fp8(d: Mapping[str, object]) -> Fp8Method:
-    """The method of a ``quant_method: fp8`` config; ValueError naming any field it does not run."""
-    fmt = str(d.get("fmt", "e4m3")).lower()
-    if fmt != "e4m3":
-        raise ValueError(f"quantization_config.fmt={fmt!r} is not supported (e4m3 only)")
-    scheme = str(d.get("activation_scheme", "dynamic")).lower()
-    if scheme not in ("dynamic", "static"):
-        raise ValueError(f"quantization_config.activation_scheme={scheme!r} is not supported")
-    size = d.get("weight_block_size")
-    if size is not None and not (
-        isinstance(size, list) and len(size) == 2 and all(config_int(b) > 0 for b in size)
-    ):
-        raise ValueError(f"quantization_config.weight_block_size={size!r} is not supported")
-    block = (config_int(size[0]), config_int(size[1])) if isinstance(size, list) else None
-    static = "quantization_config.activation_scheme='static'" if scheme == "static" else ""
-    return Fp8Method("fp8", "weight_scale_inv", block, static_field=static)
-
-
-def _expect(section: Mapping[str, object], field: str, **want: object) -> None:
-    for key, value in want.items():
-        got = section.get(key, True if key == "symmetric" else None)
-        if got != value:
-            raise ValueError(f"{field}.{key}={got!r} is not supported ({value!r} only)")
-
-
-def parse_compressed_tensors(d: Mapping[str, object]) -> Fp8Method:
-    """The method of a compressed-tensors ``float-quantized`` config (FP8 weights per channel
-    or per tensor); ValueError naming any field it does not run."""
-    root = "quantization_config"
-    _expect(d, root, format="float-quantized")
-    groups = _section(d.get("config_groups"), f"{root}.config_groups")
-    strategies: set[str] = set()
-    static = ""
-    for key, value in groups.items():
-        field = f"{root}.config_groups.{key}"
-        weights = _section(_section(value, field).get("weights"), f"{field}.weights")
-        _expect(weights, f"{field}.weights", num_bits=8, type="float", symmetric=True)
-        strategy = str(weights.get("strategy"))
-        if strategy not in ("channel", "tensor"):
-            raise ValueError(f"{field}.weights.strategy={strategy!r} is not supported")
-        strategies.add(strategy)
-        acts = _section(value, field).get("input_activations")
-        if acts is not None:
-            acts = _section(acts, f"{field}.input_activations")
-            _expect(acts, f"{field}.input_activations", num_bits=8, type="float")
-            if not acts.get("dynamic"):
-                static = f"{field}.input_activations.dynamic=false"
-    if len(strategies) != 1:
-        raise ValueError(f"{root}.config_groups: weights.strategy {sorted(strategies)} (one only)")
-    return Fp8Method(
-        "compressed-tensors",
-        "weight_scale",
-        per_channel="channel" in strategies,
-        static_field=static,
-    )
 
 
 # ------------------------------------------------------------------ the layer's parameters
@@ -241,13 +194,12 @@ def _load_per_tensor(param: nn.Parameter, t: torch.Tensor, shard: int = 0) -> No
     param.data[shard] = t.float().reshape(())
 
 
-def finish_fp8(
-    module: nn.Module, weight: str, method: Fp8Method, dtype: torch.dtype, kernels: bool = False
-) -> bool:
-    """Multiply every e4m3 row by its scales; ``weight`` becomes a float parameter in
-    ``dtype`` (False). ``kernels``: a CUDA tensor of e4m3 rows only becomes the FP8 kernels'
-    buffers instead where they take its layout (True). MissingTensor for e4m3 rows without
-    their scale (or static input scale)."""
+def _fp8_rows(
+    module: nn.Module, weight: str, method: Fp8Method, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight``'s loaded rows in ``dtype`` [..., N, K], which rows are e4m3 [..., N] and
+    their scales [..., N, K/bk or 1]. MissingTensor for e4m3 rows without their scale (or
+    static input scale)."""
     shard_name, scale_name, input_name = _names(weight, method)
     w = module.get_parameter(weight).data.to(dtype)
     shard = module.get_parameter(shard_name).data[..., 0]  # [..., N]
@@ -265,6 +217,23 @@ def finish_fp8(
         if bool(missing.any()):
             why = f"{field} needs it beside a float8_e4m3fn weight"
             raise MissingTensor(weight, int(shard[missing][0]), name, why)
+    return w, fp8, scales
+
+
+def _drop_load_params(module: nn.Module, weight: str, method: Fp8Method) -> None:
+    for name in (weight, *_names(weight, method)):
+        if name in module._parameters:
+            delattr(module, name)
+
+
+def finish_fp8(
+    module: nn.Module, weight: str, method: Fp8Method, dtype: torch.dtype, kernels: bool = False
+) -> bool:
+    """Multiply every e4m3 row by its scales; ``weight`` becomes a float parameter in
+    ``dtype`` (False). ``kernels``: a CUDA tensor of e4m3 rows only becomes the FP8 kernels'
+    buffers instead where they take its layout (True). MissingTensor for e4m3 rows without
+    their scale (or static input scale)."""
+    w, fp8, scales = _fp8_rows(module, weight, method, dtype)
     packed = None
     if kernels and w.is_cuda and w.dim() == 2 and bool(fp8.all()):
         packed = pack_fp8(w, scales, method.block)
@@ -272,11 +241,27 @@ def finish_fp8(
         scales = torch.where(fp8.unsqueeze(-1), scales, 1.0)
         # In place, computed in float32 (the scales' dtype) and rounded once to ``dtype``.
         w.unflatten(-1, (scales.shape[-1], -1)).mul_(scales.unsqueeze(-1))
-    for name in (weight, shard_name, scale_name, input_name):
-        if name in module._parameters:
-            delattr(module, name)
+    _drop_load_params(module, weight, method)
     if packed is not None:
         set_fp8_buffers(module, *packed)
         return True
     module.register_parameter(weight, nn.Parameter(w, requires_grad=False))
     return False
+
+
+def keep_fp8_experts(moe: nn.Module, method: Fp8Method, dtype: torch.dtype) -> bool:
+    """``moe``'s w13 and w2 become e4m3 buffers and their scale grids (fp8_cuda.pack_fp8:
+    ``w13``, ``w13_wscale``, ``w2``, ``w2_wscale``) where every row of both is e4m3 and the
+    FP8 MoE kernel takes both layouts (True); else nothing changes (False). On every device:
+    the caller decides where the kernel runs (tests run it under Triton's interpreter)."""
+    packed = {}
+    for name in ("w13", "w2"):
+        w, fp8, scales = _fp8_rows(moe, name, method, dtype)
+        kept = pack_fp8(w, scales, method.block) if bool(fp8.all()) else None
+        if kept is None:
+            return False
+        packed[name] = kept
+    for name, (qweight, wscale) in packed.items():
+        _drop_load_params(moe, name, method)
+        set_fp8_buffers(moe, qweight, wscale, name)
+    return True

@@ -1,13 +1,15 @@
-"""FP8 dense layers on CUDA: the e4m3 weights stay e4m3 and the FP8 kernels multiply them.
+"""FP8 layers on CUDA: the e4m3 weights stay e4m3 and the FP8 kernels multiply them.
 
 `pack_fp8` turns a layer's loaded rows (fp8.py's load-time form: e4m3 values in the compute
 dtype, scales repeated over each block's rows) into the kernels' form: ``qweight`` e4m3
 [N, K] and ``wscale`` float32 [N/SN, K/SK], one scale per SN rows x SK inputs (128 x 128 for
 block-wise checkpoints whose blocks survived tensor-parallel sharding whole, else one row
-per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K). `fp8_forward` runs 1-4 rows
-on kernels/fp8_gemv.py (weight-only, MINISGL_FP8_GEMV) and more on kernels/fp8_gemm.py
-(W8A8, activations quantized per token and 128 inputs). Nothing here imports triton: CPU
-processes never reach the kernels.
+per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K); a MoE layer's experts the
+same with the expert leading. `fp8_forward` runs 1-4 rows on kernels/fp8_gemv.py
+(weight-only, MINISGL_FP8_GEMV) and more on kernels/fp8_gemm.py (W8A8, activations
+quantized per token and 128 inputs); `fp8_experts_forward` runs the experts on
+kernels/fp8_moe.py (W8A8). Nothing here imports triton: CPU processes never reach the
+kernels.
 """
 
 from __future__ import annotations
@@ -25,25 +27,29 @@ GEMV_MAX_ROWS = 4  # kernels/fp8_gemv.py's MAX_ROWS
 def pack_fp8(
     w: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``w`` [N, K] (e4m3 values in a float dtype) and ``scales`` [N, K/bk] (block) or [N, 1]
-    -> (qweight, wscale); None where the kernels do not run the layout (then the caller
-    dequantizes): K or a block's inputs not in whole activation groups."""
-    n, k = w.shape
+    """``w`` [..., N, K] (e4m3 values in a float dtype; experts lead) and ``scales``
+    [..., N, K/bk] (block) or [..., N, 1] -> (qweight, wscale [..., N/SN, K/SK]); None where
+    the kernels do not run the layout (then the caller dequantizes): K or a block's inputs
+    not in whole activation groups."""
+    n, k = w.shape[-2:]
     sk = block[1] if block is not None else k
     if k % GROUP or sk % GROUP:
         return None
     sn = block[0] if block is not None and n % block[0] == 0 else 1
-    grid = scales.float().unflatten(0, (n // sn, sn))
-    if sn > 1 and not bool((grid == grid[:, :1]).all()):
+    grid = scales.float().unflatten(-2, (n // sn, sn))
+    if sn > 1 and not bool((grid == grid[..., :1, :]).all()):
         sn = 1  # a TP shard cut through blocks: rows of one block hold different scales
-    wscale = scales.float()[::sn].contiguous()
+    wscale = scales.float()[..., ::sn, :].contiguous()
     return w.to(E4M3).contiguous(), wscale
 
 
-def set_fp8_buffers(layer: nn.Module, qweight: torch.Tensor, wscale: torch.Tensor) -> None:
+def set_fp8_buffers(
+    layer: nn.Module, qweight: torch.Tensor, wscale: torch.Tensor, name: str = ""
+) -> None:
+    """A dense layer's ``qweight`` and ``wscale``; experts' ``<name>`` and ``<name>_wscale``."""
     # Buffers, not parameters: nothing loads into them, and pack_model skips them.
-    layer.register_buffer("qweight", qweight, persistent=False)
-    layer.register_buffer("wscale", wscale, persistent=False)
+    layer.register_buffer(name or "qweight", qweight, persistent=False)
+    layer.register_buffer(f"{name}_wscale" if name else "wscale", wscale, persistent=False)
 
 
 def use_fp8_gemv(rows: int, enabled: bool | None = None) -> bool:
@@ -68,3 +74,15 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
     return fp8_gemm.fp8_gemm(x, qweight, wscale, bias)
+
+
+def fp8_experts_forward(
+    moe: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The fused MoE (kernels/fp8_moe.py) on the experts of fp8.keep_fp8_experts."""
+    from minisgl.extensions.quantization.kernels.fp8_moe import fp8_moe
+
+    b = moe._buffers
+    w13, w13_scale, w2, w2_scale = (b[n] for n in ("w13", "w13_wscale", "w2", "w2_wscale"))
+    assert w13 is not None and w13_scale is not None and w2 is not None and w2_scale is not None
+    return fp8_moe(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)

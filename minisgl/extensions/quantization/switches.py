@@ -9,7 +9,7 @@ GGUF_KERNELS = flag(
     "GGUF_KERNELS", True, "CPU: GGUF weights stay quantized (AVX2 kernels); off: dequantized"
 )
 FP8_KERNELS = flag(
-    "FP8_KERNELS", True, "CUDA: FP8 dense layers keep e4m3 weights (FP8 kernels); off: bf16"
+    "FP8_KERNELS", True, "CUDA: FP8 dense layers and experts keep e4m3 weights; off: bf16"
 )
 FP8_GEMV = flag("FP8_GEMV", True, "CUDA: 1-4-row FP8 products on the FP8 GEMV; off: the GEMM")
 FP8_GEMV_TC = flag(

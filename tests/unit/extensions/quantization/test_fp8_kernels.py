@@ -187,3 +187,21 @@ def test_pack_fp8_layouts() -> None:
     assert packed is not None and torch.equal(packed[1], per_row)
     assert pack_fp8(q.float(), rows.repeat_interleave(2, 1), (128, 64)) is None
     assert pack_fp8(q[:, :192].float(), per_row, None) is None
+
+
+def test_pack_fp8_experts() -> None:
+    """Experts [E, N, K] pack per expert: 128 x 128 blocks where every expert's blocks are
+    whole, one row per scale where one expert's rows of a block differ."""
+    from minisgl.extensions.quantization.fp8_cuda import pack_fp8
+
+    qs, ss = zip(*(fp8_weights(256, 384, 128, 128, e)[:2] for e in range(3)), strict=True)
+    q, s = torch.stack(qs), torch.stack(ss)
+    rows = s.repeat_interleave(128, 1)
+    packed = pack_fp8(q.float(), rows, (128, 128))
+    assert packed is not None and packed[0].shape == q.shape and torch.equal(packed[1], s)
+    rows[1, 5] += 1.0  # one row of expert 1 off its block's scale
+    packed = pack_fp8(q.float(), rows, (128, 128))
+    assert packed is not None and torch.equal(packed[1], rows)
+    per_row = torch.rand(3, 256, 1)
+    packed = pack_fp8(q.float(), per_row, None)
+    assert packed is not None and torch.equal(packed[1], per_row)
