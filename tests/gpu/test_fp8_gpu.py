@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from minisgl.extensions.quantization import FP8_GEMV, FP8_KERNELS
+from minisgl.extensions.quantization import FP8_GEMV, FP8_KERNELS, FP8_MOE_KERNELS
 from tests.fp8_checkpoints import write_fp8
 from tests.helpers import assert_engine_clean, make_tiny_model
 from tests.unit.extensions.quantization.test_fp8_kernels import gemm_case, gemv_case
@@ -152,7 +152,8 @@ def test_fp8_moe_engine_keeps_e4m3_experts(fp8_moe_model: tuple[Path, Path]) -> 
     """The sparse layer's experts stay e4m3 (the FP8 MoE kernel, in CUDA graphs for decode)
     and decode as the bf16 twin, teacher-forced; MINISGL_FP8_KERNELS=0 dequantizes them."""
     want = _twin_greedy(fp8_moe_model[1])
-    llm = LLM(str(fp8_moe_model[0]), **GRAPHS)  # type: ignore[arg-type]
+    with env.override({FP8_MOE_KERNELS: True}):
+        llm = LLM(str(fp8_moe_model[0]), **GRAPHS)  # type: ignore[arg-type]
     moe = llm.engine.model.model.layers[1].mlp  # type: ignore[union-attr,index]
     assert moe.kernel_quant is not None and moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn
     assert moe.w13_wscale.shape == (7, 2, 2) and moe.w2_wscale.shape == (7, 2, 1)
@@ -161,7 +162,7 @@ def test_fp8_moe_engine_keeps_e4m3_experts(fp8_moe_model: tuple[Path, Path]) -> 
     assert top1 >= 0.98 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)
     llm.close()
-    with env.override({FP8_KERNELS: False}):
+    with env.override({FP8_KERNELS: False, FP8_MOE_KERNELS: True}):
         off = LLM(str(fp8_moe_model[0]), **GRAPHS)  # type: ignore[arg-type]
     moe = off.engine.model.model.layers[1].mlp  # type: ignore[union-attr,index]
     assert moe.kernel_quant is None and moe.w13.dtype == torch.bfloat16

@@ -13,13 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from minisgl.extensions.quantization.switches import FP8_GEMV, FP8_KERNELS, INT4_GEMV
+from minisgl.extensions.quantization.switches import (
+    FP8_GEMV,
+    FP8_KERNELS,
+    FP8_MOE_KERNELS,
+    INT4_GEMV,
+)
 from minisgl.layers.quantization import register_quant_method
 
 if TYPE_CHECKING:
     from minisgl.layers.quantization import QuantMethod
 
-__all__ = ["FP8_GEMV", "FP8_KERNELS", "INT4_GEMV"]
+__all__ = ["FP8_GEMV", "FP8_KERNELS", "FP8_MOE_KERNELS", "INT4_GEMV"]
 
 
 def parse(config: Mapping[str, object]) -> QuantMethod:

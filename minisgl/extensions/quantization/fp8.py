@@ -41,7 +41,7 @@ from minisgl.extensions.quantization.fp8_cuda import (
     set_fp8_buffers,
 )
 from minisgl.extensions.quantization.int4 import register_raw
-from minisgl.extensions.quantization.switches import FP8_KERNELS
+from minisgl.extensions.quantization.switches import FP8_KERNELS, FP8_MOE_KERNELS
 from minisgl.layers.quantization import MissingTensor, ShardFn
 
 E4M3 = torch.float8_e4m3fn
@@ -79,8 +79,10 @@ class Fp8Method:
         finish_fp8(moe, name, self, dtype)
 
     def keep_experts(self, moe: nn.Module, dtype: torch.dtype) -> bool:
-        """CUDA, MINISGL_FP8_KERNELS on: e4m3 experts for kernels/fp8_moe.py."""
-        if not FP8_KERNELS.get() or not moe.get_parameter("w13").is_cuda:
+        """CUDA, MINISGL_FP8_KERNELS and MINISGL_FP8_MOE_KERNELS on: e4m3 experts for
+        kernels/fp8_moe.py."""
+        on = FP8_KERNELS.get() and FP8_MOE_KERNELS.get()
+        if not on or not moe.get_parameter("w13").is_cuda:
             return False
         return keep_fp8_experts(moe, self, dtype)
 

@@ -17,3 +17,9 @@ FP8_GEMV_TC = flag(
     False,
     "CUDA: the FP8 GEMV's rows on tensor cores (fp8_gemv_tc.py); off: CUDA cores",
 )
+FP8_MOE_KERNELS = flag(
+    "FP8_MOE_KERNELS",
+    False,
+    "CUDA: FP8 MoE experts keep e4m3 weights for the FP8 fused MoE (with FP8_KERNELS); off: "
+    "dequantized to bf16 at load (the default until the kernel's GPU checks have run)",
+)

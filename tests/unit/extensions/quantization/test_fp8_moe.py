@@ -171,11 +171,13 @@ def check_fp8_moe_layer_keeps_e4m3(device: torch.device) -> None:
     """A tiny Qwen3-MoE FP8 checkpoint (block-wise, per channel): the layer keeps its experts
     e4m3 with their scale grids, which dequantize to the float twin's weights exactly, and
     its forward is the FP8 kernel's, checked as above against the twin's weights. On CPU the
-    layer is made to keep them (it dequantizes there), to run the kernel interpreted."""
-    import contextlib
+    layer is made to keep them (it dequantizes there), to run the kernel interpreted; on CUDA
+    MINISGL_FP8_MOE_KERNELS is turned on."""
     import tempfile
     from unittest import mock
 
+    from minisgl import env
+    from minisgl.extensions.quantization import FP8_MOE_KERNELS
     from minisgl.extensions.quantization.fp8 import Fp8Method, keep_fp8_experts
     from minisgl.extensions.quantization.kernels.fp8_moe import fp8_moe
     from tests.fp8_checkpoints import write_fp8
@@ -193,7 +195,7 @@ def check_fp8_moe_layer_keeps_e4m3(device: torch.device) -> None:
                                block=(128, 128), seed=len(kind))  # fmt: skip
             cpu = device.type == "cpu"
             patch = mock.patch.object(Fp8Method, "keep_experts", keep)
-            with patch if cpu else contextlib.nullcontext():
+            with patch if cpu else env.override({FP8_MOE_KERNELS: True}):
                 moe = _build_moe(q, device)
             twin = _build_moe(ref, device)
             assert moe.kernel_quant is not None and "w13" not in moe._parameters
