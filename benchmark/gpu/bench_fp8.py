@@ -37,6 +37,9 @@ TC_GRID = [(bn, 128, w, st, mode) for bn, w in ((16, 4), (32, 4), (64, 4), (64, 
            for st in (3, 5) for mode in (0, CVT, BITS_ASM)]  # fmt: skip
 
 
+GEMM_QGMMA_GRID = [(64, bn, 4, st) for bn in (16, 32, 64) for st in (3, 5)]
+
+
 def tc_sweep(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]],
              gb: float) -> tuple[int, ...] | None:  # fmt: skip
     """The tensor-core GEMV at its default tiles and TC_GRID, beside the CUDA-core GEMV;
@@ -54,12 +57,18 @@ def tc_sweep(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tens
             results.append((graph_time_us(run) / copies, cfg))
         except Exception as e:  # a tile Triton cannot compile (shared memory, registers)
             print(f"  tc {cfg}: {type(e).__name__}: {str(e)[:60]}")
+    for gemm in GEMM_QGMMA_GRID:  # the W8A8 GEMM at 64-row tiles (e4m3 wgmma), quantizer included
+        run = rotating(lambda q, x=x, t=gemm: fp8_gemm.fp8_gemm(x, *q, tiles=t), qs)
+        try:
+            results.append((graph_time_us(run) / copies, ("gemm", *gemm)))
+        except Exception as e:
+            print(f"  tc gemm {gemm}: {type(e).__name__}: {str(e)[:60]}")
     if not results:
         return None
     t_def, best = results[0][0], sorted(results[1:])[:5]
     print(f"{name} rows {rows}: TC default {t_def:6.1f} us ({gb / t_def * 1e3:.2f} TB/s) | "
           + ", ".join(f"{t:.1f} ({gb / t * 1e3:.2f}) {c}" for t, c in best), flush=True)  # fmt: skip
-    return best[0][1]
+    return next((c for _, c in best if c[0] != "gemm"), None)
 
 
 def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

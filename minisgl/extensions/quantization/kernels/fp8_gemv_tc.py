@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
-from minisgl.kernels.fp8_kv import BITS_ASM, CVT, E4M3_BITS_FACTOR, _interpreted, fp8_tile_as_f16
+from minisgl.kernels.fp8_kv import BITS_ASM, E4M3_BITS_FACTOR, _interpreted, fp8_tile_as_f16
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 16
@@ -93,8 +93,10 @@ TABLE: dict[tuple[int, int], Tiles] = {}
 
 
 def fp8_gemv_tc_tiles(rows: int, n_cols: int, k_dim: int) -> Tiles:
-    """UNMEASURED defaults (benchmark/gpu/bench_fp8.py --tc sweeps them)."""
-    return TABLE.get((n_cols, k_dim), (32, 128, 4, 4, CVT))
+    """UNMEASURED defaults (benchmark/gpu/bench_fp8.py --tc sweeps them): W8A8 on 64-row
+    weight tiles, the one form whose sm_90 code (Triton, compiled without a GPU) streams the
+    e4m3 tiles by cp.async straight into e4m3 wgmma, with no conversion of the weights."""
+    return TABLE.get((n_cols, k_dim), (64, 128, 4, 4, 0))
 
 
 def load_table(path: str) -> None:
