@@ -215,3 +215,26 @@ def first_regex_stop(llm: Any, ids: list[int], pattern: str) -> tuple[list[int],
         if m is not None:
             return ids[:k], text[: m.start()]
     raise AssertionError(f"{pattern!r} never matches")
+
+
+def teacher_forced_agreement(
+    llm: Any, prompt: list[int], ref: list[int], ref_lp: list[float]
+) -> tuple[float, float]:
+    """Teacher-forced greedy decoding: from ``prompt`` + ``ref``[:pos], generate until the
+    first token that differs from ``ref``, count it, restart after it. (top-1 agreement,
+    mean |chosen-token logprob difference| where they agree)."""
+    from minisgl import SamplingParams
+
+    agree, pos, diffs = 0, 0, []
+    while pos < len(ref) and pos - agree <= len(ref) // 20:
+        params = SamplingParams(
+            temperature=0, max_tokens=len(ref) - pos, ignore_eos=True, logprobs=True
+        )
+        out = llm.generate([prompt + ref[:pos]], params, use_tqdm=False)[0]
+        same = next(
+            (i for i, (a, b) in enumerate(zip(out["token_ids"], ref[pos:])) if a != b),
+            len(out["token_ids"]),
+        )
+        diffs += [abs(a - b) for a, b in zip(out["logprobs"][:same], ref_lp[pos : pos + same])]
+        agree, pos = agree + same, pos + same + 1
+    return agree / len(ref), sum(diffs) / max(len(diffs), 1)

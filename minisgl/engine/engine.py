@@ -33,7 +33,7 @@ from minisgl.kvcache.pool import KVPool
 from minisgl.layers.cpu_linear import pack_model
 from minisgl.models.config import ModelConfig
 from minisgl.models.decoder import CausalLM
-from minisgl.models.decoder_layer import set_silu_fusion
+from minisgl.models.decoder_layer import set_batch1_fusions
 from minisgl.models.registry import build_model
 from minisgl.models.resolve import resolve_model_path
 from minisgl.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ class Engine:
             self.model, config, self.resolved, self.hf_config, self.device, self.dtype
         )
         pack_model(self.model)  # CPU: weights reordered for oneDNN (see layers/cpu_linear.py)
-        set_silu_fusion(self.model, not config.disable_fused_silu_down)
+        set_batch1_fusions(self.model, not config.disable_fused_silu_down, config.fused_norm_gemv)
         self.pool = self._make_pool()
         self._make_page_table(share)
         self.stager = DeviceStager(self.device)

@@ -27,23 +27,62 @@ MAX_ROWS = 4
 
 
 @triton.jit
-def _load_x(ptrs, mask, k_dim, SILU_X: tl.constexpr):
-    """A tile of x; SILU_X: x is the gated MLP's [gate | up] (each k_dim wide) and the tile
-    is silu(gate) * up, rounded as kernels/activation.py rounds it (the same bits)."""
+def _x_tile(x_ptr, res_ptr, nw_ptr, offs_m, kk, mask, stride_xm, stride_rm, k_dim, rstd,
+            SILU_X: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+    """The x tile [BLOCK_M, BLOCK_K] at inputs ``kk``, in x's dtype.
+
+    SILU_X: x is the gated MLP's [gate | up] (each k_dim wide) and the tile is silu(gate) * up,
+    rounded as kernels/activation.py rounds it (the same bits). NORM: the tile is RMSNorm's
+    output (kernels/norm.py's roundings) of x (1) or of x + residual (2), ``rstd`` [BLOCK_M]
+    being the rows' 1 / rms."""
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
+    dtype = x_ptr.dtype.element_ty
     if SILU_X:
-        dtype = ptrs.dtype.element_ty
         gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(ptrs + k_dim, mask=mask, other=0.0).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         return (act * up).to(dtype)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if NORM:
+        if NORM == 2:
+            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + kk[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        y = (x.to(tl.float32) * rstd[:, None]).to(dtype).to(tl.float32)
+        w = tl.load(nw_ptr + kk, mask=kk < k_dim, other=0.0).to(tl.float32)
+        x = (y * w[None, :]).to(dtype)
+    return x
+
+
+@triton.jit
+def _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, stride_xm, stride_rm, k_dim,
+               eps, write_res, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+               NORM: tl.constexpr):  # fmt: skip
+    """1 / rms of each row of x (NORM 1) or x + residual (NORM 2, whose rounded sum the
+    program with ``write_res`` stores: the layer's next residual), summed in BLOCK_K steps
+    (an order of its own: kernels/norm.py sums one row tile, so rstd may differ in the last
+    float32 bit)."""
+    dtype = x_ptr.dtype.element_ty
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        kk = k0 + offs_k
+        mask = m_mask[:, None] & (kk < k_dim)[None, :]
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0)
+        if NORM == 2:
+            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + kk[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+            if write_res:
+                tl.store(res_out_ptr + offs_m[:, None] * k_dim + kk[None, :], x, mask=mask)
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    return tl.rsqrt(ss / k_dim + eps)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SILU_X: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, rows, n_cols, k_dim, stride_xm,
+    stride_wn, stride_om, stride_rm, eps, HAS_BIAS: tl.constexpr, SILU_X: tl.constexpr,
+    NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # (The peer-memory extension's pushing GEMV repeats the unbiased arithmetic
     # with a push of its own: a change here must be made there too, where a test checks
@@ -67,18 +106,23 @@ def _gemv_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     pdl_wait(PDL)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, stride_xm,
+                          stride_rm, k_dim, eps, pid == 0, BLOCK_M, BLOCK_K, NORM)  # fmt: skip
+    xt = (x_ptr, res_ptr, nw_ptr, offs_m)
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     x_mask0 = m_mask[:, None] & (offs_k < k_dim)[None, :]
-    x0 = _load_x(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], x_mask0, k_dim, SILU_X)
+    x0 = _x_tile(*xt, offs_k, x_mask0, stride_xm, stride_rm, k_dim, rstd, SILU_X, NORM)
     acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
     for k0 in range(BLOCK_K, k_dim, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_dim
         w_mask = n_mask[:, None] & k_mask[None, :]
-        x_off = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
-        x = _load_x(x_off, m_mask[:, None] & k_mask[None, :], k_dim, SILU_X).to(tl.float32)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = _x_tile(*xt, kk, x_mask, stride_xm, stride_rm, k_dim, rstd, SILU_X, NORM)
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += bias[None, :]
@@ -132,20 +176,58 @@ def gemv(
     """x [M, K] (M <= 4) times weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype.
     ``silu_x``: x is a gated MLP's [M, 2K] gate and up, and the product is that of
     silu(gate) * up (kernels/activation.py's result, bit for bit) without a kernel for it."""
-    rows, k_dim = x.shape
-    k_dim = k_dim // 2 if silu_x else k_dim
+    k_dim = x.shape[1] // 2 if silu_x else x.shape[1]
+    return _launch(x, k_dim, weight, bias, tiles, silu_x=silu_x)
+
+
+def gemv_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) W^T (+ bias), x + residual) in one kernel: the pre-norm of a
+    decoder layer inside the batch-1 GEMV that follows it (kernels/norm.py's roundings; its
+    1 / rms may differ in the last float32 bit, summed in another order). ``residual`` None:
+    the norm of x, and x is returned as the residual, as layers/norm.py does."""
+    assert norm_weight.dtype == x.dtype and norm_weight.shape == (x.shape[1],)
+    res_out = torch.empty_like(x) if residual is not None else x
+    out = _launch(x, x.shape[1], weight, bias, tiles, residual=residual,
+                     norm=(norm_weight, eps, res_out))  # fmt: skip
+    return out, res_out
+
+
+def _launch(
+    x: torch.Tensor,
+    k_dim: int,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: Tiles | None,
+    silu_x: bool = False,
+    residual: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    rows = x.shape[0]
     n_cols = weight.shape[0]
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
     if x.stride(1) != 1:
         x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
+    nw, eps, res_out = norm if norm is not None else (weight, 0.0, out)
+    res = residual if residual is not None else x
+    mode = 0 if norm is None else (2 if residual is not None else 1)
     block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
     _gemv_kernel[(cdiv(n_cols, block_n),)](
-        x, weight, bias if bias is not None else weight, out, rows, n_cols, k_dim,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SILU_X=silu_x, BLOCK_M=block_m, BLOCK_N=block_n,
+        x, weight, bias if bias is not None else weight, out, res, nw, res_out, rows, n_cols,
+        k_dim, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
+        HAS_BIAS=bias is not None, SILU_X=silu_x, NORM=mode, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

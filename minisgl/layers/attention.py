@@ -46,7 +46,13 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: o_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        qkv = self.qkv_proj(x)
+        return self.forward_qkv(self.qkv_proj(x), batch, reduce)
+
+    def forward_qkv(
+        self, qkv: torch.Tensor, batch: ForwardBatch, reduce: bool = True
+    ) -> torch.Tensor:
+        """The layer from its q/k/v projection on (the decoder layer may compute that one
+        fused with the norm before it)."""
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)

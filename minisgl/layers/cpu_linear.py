@@ -85,6 +85,22 @@ def gemv_silu_mul(
     return _gemv(gate_up, weight, None, gemv_tiles, silu_x=True)
 
 
+def gemv_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gemv_tiles: GemvTiles,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) W^T (+ bias), x + residual) for one row in the GEMV
+    (kernels/gemv.py's gemv_add_rms_norm; CUDA only, where pack_model set the tiles)."""
+    from minisgl.kernels.gemv import gemv_add_rms_norm as kernel
+
+    return kernel(x, residual, norm_weight, eps, weight, bias, gemv_tiles)
+
+
 # Beyond this many rows MKL's GEMM is efficient and oneDNN gains little.
 ONEDNN_MAX_ROWS = 256
 

@@ -16,7 +16,7 @@ from torch import nn
 from minisgl.distributed import TPInfo, all_reduce
 from minisgl.distributed.reducer import active_reducer
 from minisgl.kernels import GemvTiles
-from minisgl.layers.cpu_linear import gemv_silu_mul, linear
+from minisgl.layers.cpu_linear import gemv_add_rms_norm, gemv_silu_mul, linear
 from minisgl.layers.quantization import QuantMethod
 
 
@@ -105,6 +105,20 @@ class ColumnParallelLinear(ShardedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x, self.bias)
+
+    def forward_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(forward(rmsnorm(x + residual)), x + residual) for one row, the norm computed
+        inside the batch-1 GEMV (no kernel of its own); None where that GEMV does not run
+        this layer or x is a TP partial sum (its all-reduce comes first)."""
+        if self.quant is not None or self.gemv_tiles is None or x.shape[0] != 1:
+            return None
+        if self.tp.size > 1:
+            return None
+        return gemv_add_rms_norm(
+            x, residual, norm_weight, eps, self.weight, self.bias, self.gemv_tiles
+        )
 
 
 class QKVParallelLinear(ColumnParallelLinear):

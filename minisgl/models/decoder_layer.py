@@ -27,13 +27,17 @@ class GatedMLP(nn.Module):
             intermediate, cfg.hidden_size, cfg.mlp_bias, tp, cfg.quant
         )
         self.act = ACTIVATIONS[cfg.hidden_act]
-        # SiLU-and-mul inside down_proj's batch-1 GEMV (set_silu_fusion; same bits).
+        # SiLU-and-mul inside down_proj's batch-1 GEMV (set_batch1_fusions; same bits).
         self.silu_in_down = False
         self.is_silu = cfg.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """``reduce=False``: down_proj's partial sum over TP ranks (see RowParallelLinear)."""
-        gate_up = self.gate_up_proj(x)
+        return self.forward_gate_up(self.gate_up_proj(x), reduce)
+
+    def forward_gate_up(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The MLP from its gate/up projection on (which the decoder layer may compute fused
+        with the norm before it)."""
         if (
             self.silu_in_down
             and (y := self.down_proj.forward_silu_mul(gate_up, reduce)) is not None
@@ -42,12 +46,16 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate_up), reduce)
 
 
-def set_silu_fusion(model: nn.Module, enabled: bool) -> None:
-    """Turn the SiLU-and-mul + down-projection fusion of every SiLU gated MLP on or off (the
-    engine's ``disable_fused_silu_down``; it applies where down_proj runs the batch-1 GEMV)."""
+def set_batch1_fusions(model: nn.Module, silu_down: bool, norm_gemv: bool) -> None:
+    """The engine's batch-1 GEMV fusions (where a layer runs the GEMV): SiLU-and-mul inside
+    every SiLU gated MLP's down projection (``disable_fused_silu_down``: same bits), and each
+    decoder layer's pre-norms inside the q/k/v and gate/up projections (``fused_norm_gemv``:
+    1 / rms summed in another order)."""
     for module in model.modules():
         if isinstance(module, GatedMLP):
-            module.silu_in_down = enabled and module.is_silu
+            module.silu_in_down = silu_down and module.is_silu
+        elif isinstance(module, DecoderLayer):
+            module.norm_in_gemv = norm_gemv
 
 
 class DecoderLayer(nn.Module):
@@ -66,13 +74,38 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
+        self.norm_in_gemv = False  # set_batch1_fusions
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x and the returned output are partial sums over the TP ranks: every all-reduce
         happens inside the norm that follows it (fused with it on GPUs with peer memory)."""
-        h, residual = self.input_layernorm.forward_with_residual(x, residual, self.tp)
-        h = self.self_attn(h, batch, reduce=False)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual, self.tp)
-        return self.mlp(h, reduce=False), residual
+        norm = self.input_layernorm
+        qkv = self._normed_product(self.self_attn.qkv_proj, norm, x, residual)
+        if qkv is not None:
+            h = self.self_attn.forward_qkv(qkv[0], batch, reduce=False)
+            residual = qkv[1]
+        else:
+            h, residual = norm.forward_with_residual(x, residual, self.tp)
+            h = self.self_attn(h, batch, reduce=False)
+        norm = self.post_attention_layernorm
+        mlp = self.mlp
+        if isinstance(mlp, GatedMLP):
+            gate_up = self._normed_product(mlp.gate_up_proj, norm, h, residual)
+            if gate_up is not None:
+                return mlp.forward_gate_up(gate_up[0], reduce=False), gate_up[1]
+        h, residual = norm.forward_with_residual(h, residual, self.tp)
+        return mlp(h, reduce=False), residual
+
+    def _normed_product(
+        self,
+        proj: ColumnParallelLinear,
+        norm: RMSNorm,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(proj(norm(x + residual)), x + residual) in the batch-1 GEMV, or None."""
+        if not self.norm_in_gemv:
+            return None
+        return proj.forward_add_rms_norm(x, residual, norm.weight, norm.eps)

@@ -25,7 +25,7 @@ import torch
 from minisgl import LLM, SamplingParams, env
 from minisgl.extensions.quantization import FP8_GEMV, FP8_KERNELS, FP8_MOE_KERNELS
 from tests.fp8_checkpoints import write_fp8
-from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model, teacher_forced_agreement
 from tests.unit.extensions.quantization.test_fp8_kernels import gemm_case, gemv_case
 from tests.unit.extensions.quantization.test_fp8_moe import assert_fp8_moe, fp8_moe_case
 
@@ -92,27 +92,6 @@ def fp8_moe_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
     return _decisive_fp8(root, "qwen3_moe", moe_intermediate_size=128, num_experts=7)
 
 
-def _agreement(
-    llm: LLM, prompt: list[int], ref: list[int], ref_lp: list[float]
-) -> tuple[float, float]:
-    """Teacher-forced greedy decoding: from ``prompt`` + ``ref``[:pos], generate until the
-    first token that differs from ``ref``, count it, restart after it. (top-1 agreement,
-    mean |chosen-token logprob difference| where they agree)."""
-    agree, pos, diffs = 0, 0, []
-    while pos < len(ref) and pos - agree <= len(ref) // 20:
-        params = SamplingParams(
-            temperature=0, max_tokens=len(ref) - pos, ignore_eos=True, logprobs=True
-        )
-        out = llm.generate([prompt + ref[:pos]], params, use_tqdm=False)[0]
-        same = next(
-            (i for i, (a, b) in enumerate(zip(out["token_ids"], ref[pos:])) if a != b),
-            len(out["token_ids"]),
-        )
-        diffs += [abs(a - b) for a, b in zip(out["logprobs"][:same], ref_lp[pos : pos + same])]
-        agree, pos = agree + same, pos + same + 1
-    return agree / len(ref), sum(diffs) / max(len(diffs), 1)
-
-
 PROMPT = list(range(10, 26))
 GRAPHS = dict(dtype="bfloat16", cuda_graph_max_bs=4)  # CUDA graphs on, few to capture
 
@@ -142,7 +121,7 @@ def test_fp8_engine_teacher_forced_top1(
         llm = LLM(str(fp8_model[0]), **GRAPHS)  # type: ignore[arg-type]
         qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,index]
         assert qkv.quant is not None and qkv.qweight.dtype == torch.float8_e4m3fn
-        top1, diff = _agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
+        top1, diff = teacher_forced_agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
     print(f"fp8 {'GEMV' if gemv else 'W8A8 GEMM'}: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
     assert top1 >= 0.99 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)
@@ -157,7 +136,7 @@ def test_fp8_moe_engine_keeps_e4m3_experts(fp8_moe_model: tuple[Path, Path]) -> 
     moe = llm.engine.model.model.layers[1].mlp  # type: ignore[union-attr,index]
     assert moe.kernel_quant is not None and moe.w13.dtype == moe.w2.dtype == torch.float8_e4m3fn
     assert moe.w13_wscale.shape == (7, 2, 2) and moe.w2_wscale.shape == (7, 2, 1)
-    top1, diff = _agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
+    top1, diff = teacher_forced_agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
     print(f"fp8 MoE: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
     assert top1 >= 0.98 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)

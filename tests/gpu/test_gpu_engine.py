@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from tests.helpers import assert_engine_clean, make_tiny_model
+from tests.helpers import assert_engine_clean, make_tiny_model, teacher_forced_agreement
 from tests.workloads import shared_prefix_workload
 
 pytestmark = [
@@ -209,6 +209,28 @@ def test_silu_down_fusion_identical(tiny: Path) -> None:
         )
         assert_engine_clean(llm)
     assert outs[0] == outs[1]
+
+
+def test_norm_gemv_fusion_teacher_forced(tiny: Path) -> None:
+    """bf16, batch 1 (graphs, overlap): the pre-norms inside the q/k/v and gate/up GEMVs (1 /
+    rms summed in another order) decode as the separate norm kernels, teacher-forced over
+    256 tokens: the same top-1 but where a last-bit change can flip a near-tie, logprobs
+    within bf16 rounding; and the fused path is taken."""
+    from minisgl.models.decoder_layer import DecoderLayer
+
+    prompt = list(range(10, 26))
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, logprobs=True)
+    ref_llm = LLM(str(tiny))
+    ref = ref_llm.generate([prompt], params, use_tqdm=False)[0]
+    ref_llm.close()
+    llm = LLM(str(tiny), fused_norm_gemv=True)
+    layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert layers and all(m.norm_in_gemv for m in layers)
+    assert all(m.self_attn.qkv_proj.gemv_tiles is not None for m in layers)
+    top1, diff = teacher_forced_agreement(llm, prompt, ref["token_ids"], ref["logprobs"])
+    print(f"norm in GEMV: top-1 {top1:.4f}, mean |dlogprob| {diff:.5f}")
+    assert top1 >= 0.97 and diff < 0.01, (top1, diff)
+    assert_engine_clean(llm)
 
 
 def test_structured_output_on_gpu(tiny: Path) -> None:

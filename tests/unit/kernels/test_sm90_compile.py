@@ -35,12 +35,17 @@ def _compile(fn: object, sig: dict[str, str], consts: dict[str, object], warps: 
 _I32 = "i32"
 
 
-def test_gemv_silu_prologue_compiles() -> None:
+@pytest.mark.parametrize(("silu", "norm"), [(True, 0), (False, 1), (False, 2)])
+def test_gemv_prologues_compile(silu: bool, norm: int) -> None:
     from minisgl.kernels.gemv import _gemv_kernel
 
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16"}
-    sig |= dict.fromkeys(("rows", "n_cols", "k_dim", "stride_xm", "stride_wn", "stride_om"), _I32)
-    consts = dict(HAS_BIAS=False, SILU_X=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=2048, PDL=True)
+    sig = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr"), "*bf16")
+    sig["res_out_ptr"] = "*bf16"
+    ints = ("rows", "n_cols", "k_dim", "stride_xm", "stride_wn", "stride_om", "stride_rm")
+    sig |= dict.fromkeys(ints, _I32)
+    sig["eps"] = "fp32"
+    consts = dict(HAS_BIAS=False, SILU_X=silu, NORM=norm, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
+                  PDL=True)  # fmt: skip
     _compile(_gemv_kernel, sig, consts, 4, 4)
 
 
