@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 t "tests"
 timeout 170 python3 -m pytest -q -m gpu -n 4 -o addopts="" -p no:cacheprovider tests/unit/kernels/test_gemv.py \
   tests/unit/extensions/quantization/test_fp8_kernels.py tests/unit/extensions/quantization/test_fp8_moe.py \
-  "tests/gpu/test_gpu_engine.py::test_silu_down_fusion_identical" tests/gpu/test_fp8_gpu.py -rfE > $OUT/tests.log 2>&1
+  "tests/gpu/test_gpu_engine.py::test_silu_down_fusion_identical" "tests/gpu/test_gpu_engine.py::test_norm_gemv_fusion_teacher_forced" tests/gpu/test_fp8_gpu.py -rfE > $OUT/tests.log 2>&1
 grep -E "passed|failed|FAILED|ERROR" $OUT/tests.log | tail -12
 t "tc sweep"
 timeout 120 python3 benchmark/gpu/bench_fp8.py --rows 1 --gemm-rows --tc 1 --write-tc-table $OUT/tc.json > $OUT/sweep.log 2>&1
@@ -24,5 +24,6 @@ lat() {  # model [env] [args]
 lat Qwen3-8B-FP8 MINISGL_FP8_GEMV_TC=0
 lat Qwen3-0.6B MINISGL_PDL=1 "--engine-arg disable_fused_silu_down=true"
 lat Qwen3-0.6B MINISGL_PDL=1
+lat Qwen3-0.6B MINISGL_PDL=1 "--engine-arg fused_norm_gemv=true"
 lat Qwen3-8B
 t done
