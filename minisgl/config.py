@@ -140,10 +140,10 @@ class EngineConfig:
         "run q/k norm, RoPE and the KV-cache store as separate kernels (CUDA; outputs are "
         "identical either way)",
     )
-    disable_fused_silu_down: bool = option(
+    fused_silu_down: bool = option(
         False,
-        "run SiLU-and-mul as its own kernel before the down projection's batch-1 GEMV (CUDA; "
-        "outputs are identical either way)",
+        "compute SiLU-and-mul inside the down projection's batch-1 GEMV instead of as its own "
+        "kernel (CUDA; the same bits either way; off: not faster in its first GPU A/B)",
     )
     fused_norm_gemv: bool = option(
         False,

@@ -30,14 +30,8 @@ def timed(llm: LLM, prompt: list[int], n: int, repeats: int) -> float:
     return best
 
 
-def set_tuning(
-    gemv_table: str | None, int4_tiles: str | None, fp8_table: str | None, tc_table: str | None
-) -> None:
+def set_tuning(gemv_table: str | None, int4_tiles: str | None, fp8_table: str | None) -> None:
     """Tile overrides for tuning runs (CUDA only: the kernels import triton)."""
-    if tc_table:
-        from minisgl.extensions.quantization.kernels import fp8_gemv_tc
-
-        fp8_gemv_tc.load_table(tc_table)
     if fp8_table:
         from minisgl.extensions.quantization.kernels import fp8_gemv
 
@@ -68,9 +62,8 @@ def main() -> None:
         "--int4-gemv-tiles", default=None, help="BLOCK_N,BLOCK_K,warps,stages for int4 GEMVs"
     )
     ap.add_argument("--fp8-gemv-table", default=None, help="JSON of bench_fp8.py --write-table")
-    ap.add_argument("--fp8-tc-table", default=None, help="JSON of bench_fp8.py --write-tc-table")
     args = ap.parse_args()
-    set_tuning(args.gemv_table, args.int4_gemv_tiles, args.fp8_gemv_table, args.fp8_tc_table)
+    set_tuning(args.gemv_table, args.int4_gemv_tiles, args.fp8_gemv_table)
     options = engine_options(args.engine_arg, load_format=args.load_format, context_length=4096)
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]

@@ -200,7 +200,7 @@ def test_silu_down_fusion_identical(tiny: Path) -> None:
     prompts, params = _workload()
     outs = []
     for disable in (True, False):
-        llm = LLM(str(tiny), disable_fused_silu_down=disable)
+        llm = LLM(str(tiny), fused_silu_down=not disable)
         mlps = [m for m in llm.engine.model.modules() if isinstance(m, GatedMLP)]
         assert mlps and all(m.down_proj.gemv_tiles is not None for m in mlps)
         assert all(m.silu_in_down == (not disable) for m in mlps)

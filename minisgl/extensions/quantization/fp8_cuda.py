@@ -6,7 +6,7 @@ dtype, scales repeated over each block's rows) into the kernels' form: ``qweight
 block-wise checkpoints whose blocks survived tensor-parallel sharding whole, else one row
 per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K); a MoE layer's experts the
 same with the expert leading. `fp8_forward` runs 1-4 rows on kernels/fp8_gemv.py
-(weight-only, MINISGL_FP8_GEMV) and more on kernels/fp8_gemm.py (W8A8, activations
+(weight-only, MINISGL_FP8_GEMV; the widest weights excepted) and more on kernels/fp8_gemm.py (W8A8, activations
 quantized per token and 128 inputs); `fp8_experts_forward` runs the experts on
 kernels/fp8_moe.py (W8A8). Nothing here imports triton: CPU processes never reach the
 kernels.
@@ -17,11 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.extensions.quantization.switches import FP8_GEMV, FP8_GEMV_TC
+from minisgl.extensions.quantization.switches import FP8_GEMV
 
 E4M3 = torch.float8_e4m3fn
 GROUP = 128  # kernels/fp8_gemm.py's activation group (K steps of whole groups)
 GEMV_MAX_ROWS = 4  # kernels/fp8_gemv.py's MAX_ROWS
+# 1-4 rows of the widest weights (Qwen3-8B's gate_up, 100M e4m3 values) run the W8A8 GEMM on
+# 64-row tiles (e4m3 wgmma fed by cp.async, no per-weight conversion) rather than the GEMV,
+# whose e4m3 -> float32 conversions bound it: H200, cold, 1 row, 30.8 vs 38.6 us; the GEMV
+# stays faster on 8B's qkv, o and down (benchmark/RESULTS.md, 2026-12-06).
+GEMV_MAX_WEIGHTS = 64 * 2**20
+WIDE_FEW_ROWS_TILES = (64, 64, 4, 3)  # fp8_gemm's (BLOCK_M, BLOCK_N, warps, stages)
 
 
 def pack_fp8(
@@ -64,13 +70,13 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
     qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
     assert qweight is not None and wscale is not None
     if use_fp8_gemv(x.shape[0]):
-        if FP8_GEMV_TC.get():
-            from minisgl.extensions.quantization.kernels.fp8_gemv_tc import fp8_gemv_tc
+        if qweight.numel() < GEMV_MAX_WEIGHTS:
+            from minisgl.extensions.quantization.kernels import fp8_gemv
 
-            return fp8_gemv_tc(x, qweight, wscale, bias)
-        from minisgl.extensions.quantization.kernels import fp8_gemv
+            return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
+        from minisgl.extensions.quantization.kernels import fp8_gemm
 
-        return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
+        return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, WIDE_FEW_ROWS_TILES)
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
     return fp8_gemm.fp8_gemm(x, qweight, wscale, bias)

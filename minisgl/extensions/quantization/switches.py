@@ -12,11 +12,6 @@ FP8_KERNELS = flag(
     "FP8_KERNELS", True, "CUDA: FP8 dense layers and experts keep e4m3 weights; off: bf16"
 )
 FP8_GEMV = flag("FP8_GEMV", True, "CUDA: 1-4-row FP8 products on the FP8 GEMV; off: the GEMM")
-FP8_GEMV_TC = flag(
-    "FP8_GEMV_TC",
-    False,
-    "CUDA: the FP8 GEMV's rows on tensor cores (fp8_gemv_tc.py); off: CUDA cores",
-)
 FP8_MOE_KERNELS = flag(
     "FP8_MOE_KERNELS",
     False,

@@ -65,30 +65,6 @@ def gemv_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, b
     _close(got, ref, k * 2**-24 * (xd.abs() @ w.abs().T), eps)
 
 
-def gemv_tc_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
-                 device: torch.device, tiles: tuple[int, ...]) -> None:  # fmt: skip
-    """fp8_gemv_tc: x divided by its row's max-abs into float16 (2^-11 relative), float16
-    products summed in float32 by the tensor cores; scaled back in float32."""
-    from minisgl.extensions.quantization.kernels.fp8_gemv_tc import fp8_gemv_tc
-
-    q, s, w = fp8_weights(n, k, sn, sk, rows + n + k + sn)
-    g = torch.Generator().manual_seed(k)
-    big = 1e3 if dtype == torch.float16 else 1e5  # beyond float16's range where x's dtype allows
-    x = (torch.randn(rows, k, generator=g) * big).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    args = (x.to(device), q.to(device), s.to(device), None if b is None else b.to(device))
-    got = fp8_gemv_tc(*args, tiles)  # type: ignore[arg-type]
-    assert got.shape == (rows, n) and got.dtype == dtype
-    xd, w = x.double().to(device), w.to(device)
-    if tiles[4] == 0:  # W8A8: against x as quantize_groups quantizes it
-        from minisgl.extensions.quantization.kernels.fp8_gemm import quantize_groups
-
-        xq, xs = quantize_groups(x.to(device))
-        xd = xq.double() * xs.double().repeat_interleave(128, 1)
-    ref = xd @ w.T + (0 if b is None else b.double().to(device))
-    _close(got, ref, 2**-10 * (xd.abs() @ w.abs().T), torch.finfo(dtype).eps)
-
-
 def gemm_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
               device: torch.device) -> None:  # fmt: skip
     from minisgl.extensions.quantization.kernels.fp8_gemm import fp8_gemm, quantize_groups
@@ -117,19 +93,6 @@ def check_fp8_gemv_prefetch_and_run_sums(device: torch.device) -> None:
     gemv_case(1, 256, 640, 128, 128, torch.bfloat16, False, device, (1, 8, 256, 4, 1, 1, 16))
     gemv_case(2, 64, 384, 1, 384, torch.bfloat16, True, device, (2, 16, 128, 4, 1, 0, 16))
     gemv_case(4, 128, 512, 128, 128, torch.float32, False, device, (4, 4, 256, 4, 1, 1, 1))
-
-
-def check_fp8_gemv_tensor_cores(device: torch.device) -> None:
-    """W8A8 and both weight conversions (hardware cvt, bit moves / 256), block and per-row
-    scales."""
-    from minisgl.kernels.fp8_kv import BITS_ASM, CVT
-
-    for mode in (0, CVT, BITS_ASM):
-        gemv_tc_case(1, 256, 384, 128, 128, torch.bfloat16, False, device, (32, 128, 4, 2, mode))
-        gemv_tc_case(3, 256, 512, 128, 128, torch.bfloat16, True, device, (64, 128, 4, 3, mode))
-        gemv_tc_case(2, 48, 256, 1, 128, torch.float32, False, device, (16, 64, 4, 2, mode))
-        gemv_tc_case(16, 100, 256, 1, 256, torch.bfloat16, True, device, (32, 256, 4, 2, mode))
-        gemv_tc_case(4, 37, 128, 1, 128, torch.float16, False, device, (16, 128, 2, 2, mode))
 
 
 def check_fp8_gemv_row_scales(device: torch.device) -> None:
@@ -205,3 +168,27 @@ def test_pack_fp8_experts() -> None:
     per_row = torch.rand(3, 256, 1)
     packed = pack_fp8(q.float(), per_row, None)
     assert packed is not None and torch.equal(packed[1], per_row)
+
+
+def test_few_rows_route_by_weight_size() -> None:
+    """1-4 rows run the weight-only GEMV, but the W8A8 GEMM on its 64-row tiles for the
+    widest weights (where the H200 sweep measured it faster); more rows the GEMM's own
+    tiles. Shapes only (meta tensors), the kernels replaced by recorders."""
+    from unittest import mock
+
+    from minisgl.extensions.quantization import fp8_cuda
+    from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv
+
+    calls: list[tuple[str, object]] = []
+    gemv = mock.patch.object(fp8_gemv, "fp8_gemv", lambda *a: calls.append(("gemv", None)))
+    gemm = mock.patch.object(
+        fp8_gemm, "fp8_gemm", lambda *a: calls.append(("gemm", a[4] if len(a) > 4 else None))
+    )
+    with gemv, gemm:
+        for n, k, rows in ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5)):
+            layer = torch.nn.Module()
+            q = torch.empty(n, k, dtype=E4M3, device="meta")
+            fp8_cuda.set_fp8_buffers(layer, q, torch.empty(n // 128, k // 128, device="meta"))
+            fp8_cuda.fp8_forward(layer, torch.empty(rows, k, device="meta"), None)
+    tiles = fp8_cuda.WIDE_FEW_ROWS_TILES
+    assert calls == [("gemv", None), ("gemm", tiles), ("gemm", tiles), ("gemm", None)]
