@@ -37,7 +37,9 @@ GEMM_QGMMA_GRID = [(64, bn, 4, st) for bn in (16, 32, 64) for st in (3, 5)]
 
 def gemm_few_rows(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]],
                   gb: float) -> None:  # fmt: skip
-    """The W8A8 GEMM (its activation quantizer included) at GEMM_QGMMA_GRID for 1-4 rows."""
+    """The W8A8 GEMM (its activation quantizer included) at GEMM_QGMMA_GRID, for the GEMV's
+    1-4 rows and GEMM row counts up to 64 (its default tiles there are 16 or 32 rows, which
+    Triton runs on mma.sync with both e4m3 operands unpacked to float16)."""
     results = []
     for tiles in GEMM_QGMMA_GRID:
         run = rotating(lambda q, x=x, t=tiles: fp8_gemm.fp8_gemm(x, *q, tiles=t), qs)
@@ -61,7 +63,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[16, 64, 256, 2048])
     ap.add_argument("--write-table", default=None)
-    ap.add_argument("--gemm-few", action="store_true", help="the GEMM's 64-row tiles at --rows")
+    ap.add_argument("--gemm-few", action="store_true", help="the GEMM's 64-row tiles at <= 64 rows")
     args = ap.parse_args()
     table: list[list[object]] = []
     for name in ("8B qkv", "8B o", "8B gate_up", "8B down"):
@@ -72,7 +74,8 @@ def main() -> None:
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(-(-copies // 2))
         ]
         gb = n * k / 1e9  # bytes of e4m3 weights, in GB
-        for rows in args.rows if args.gemm_few else []:
+        few = args.rows + [r for r in args.gemm_rows if r <= 64]
+        for rows in few if args.gemm_few else []:
             gemm_few_rows(name, torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), qs, gb)
         for rows in args.rows + args.gemm_rows:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)

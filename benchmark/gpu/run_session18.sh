@@ -13,8 +13,8 @@ timeout 170 python3 -m pytest -q -m gpu -n 4 -o addopts="" -p no:cacheprovider t
   "tests/gpu/test_gpu_engine.py::test_silu_down_fusion_identical" "tests/gpu/test_gpu_engine.py::test_norm_gemv_fusion_teacher_forced" tests/gpu/test_fp8_gpu.py -rfE > $OUT/tests.log 2>&1
 grep -E "passed|failed|FAILED|ERROR" $OUT/tests.log | tail -12
 t "fp8 few-row sweep"
-timeout 120 python3 benchmark/gpu/bench_fp8.py --rows 1 --gemm-rows --gemm-few > $OUT/sweep.log 2>&1
-tail -12 $OUT/sweep.log
+timeout 150 python3 benchmark/gpu/bench_fp8.py --rows 1 --gemm-rows 16 64 --gemm-few > $OUT/sweep.log 2>&1
+tail -20 $OUT/sweep.log
 lat() {  # model [env] [args]
   [ $((SECONDS - T0)) -lt ${LIMIT:-520} ] || { t "skip latency $*"; return; }
   t "latency $*"
