@@ -112,3 +112,15 @@ def make_tests(
         on_gpu(checks, name)
 
     return test_interpreted, test_on_gpu
+
+
+def assert_no_host_sync(fn: Callable[[], object]) -> None:
+    """``fn`` reads no device value on the host (what CUDA graph capture needs): run once to
+    compile, then again under torch's synchronization debug mode, which raises on a sync."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -11,13 +11,14 @@ and a torch sum over top_k combines the pairs. Nothing reads a device value on t
 decode steps can be captured in CUDA graphs: launch grids are sized from the worst-case
 padding (a function of T alone) and blocks past the real padded length exit at once.
 
-The same kernel multiplies FP8 operands (constexpr ``FP8``; `GemmScales`, launched by the
-quantization extension's kernels/fp8_moe.py): e4m3 A and B, one K step per 128-input group,
-each step's dot scaled by its rows' activation scales and its columns' weight scales.
+The same kernel multiplies FP8 operands (constexpr ``FP8``; `fused_moe` given `ExpertScales`
+by the quantization extension's kernels/fp8_moe.py): e4m3 A and B, one K step per 128-input
+group, each step's dot scaled by its rows' activation scales and its columns' weight scales.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -192,7 +193,7 @@ def moe_align_block_size(
     return sorted_pairs, block_expert, padded_end[-1:].to(torch.int32)
 
 
-def moe_block_m(num_pairs: int, num_experts: int) -> int:
+def _block_m(num_pairs: int, num_experts: int) -> int:
     """BLOCK_M of the grouped GEMM (and of the alignment) for ``num_pairs`` routed pairs."""
     # Expected pairs per expert decides how much of a block is padding: small blocks for
     # decode (a handful of tokens per expert), larger ones for prefill.
@@ -203,7 +204,7 @@ def moe_block_m(num_pairs: int, num_experts: int) -> int:
 
 
 class GemmScales(NamedTuple):
-    """The scales of FP8 operands of `launch_moe_gemm`: ``a`` float32 [rows of A, K/128]
+    """The scales of FP8 operands of `_launch_gemm`: ``a`` float32 [rows of A, K/128]
     (one per token and 128 inputs), ``b`` float32 [E, N_total/SN, K/SK] (one per SN rows and
     SK inputs of an expert's weight; SK a multiple of 128, both contiguous along K)."""
 
@@ -222,7 +223,7 @@ def _tiles(a: torch.Tensor, n_out: int, k_dim: int, fp8: bool) -> tuple[int, int
     return block_n, block_k, 2 if a.dtype == torch.float32 else 3
 
 
-def launch_moe_gemm(
+def _launch_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     c: torch.Tensor,
@@ -262,27 +263,62 @@ def launch_moe_gemm(
     )  # fmt: skip
 
 
+class ExpertScales(NamedTuple):
+    """FP8 experts for `fused_moe_stages`: the weights' scale grids (`GemmScales`'s ``b``) and
+    the activation quantizer (x [rows, K] -> e4m3 [rows, K], float32 scales [rows, K/128]),
+    which the quantization extension provides."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def fused_moe_stages(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    fp8: ExpertScales | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two products before the sum over top_k: (silu(gate) * up [P, I], the pairs'
+    weighted down outputs [P, H]) in x's dtype, P = T * top_k pairs in (token, k) order.
+    ``fp8``: e4m3 experts, whose inputs (x, then the SiLU-mul output) are quantized first."""
+    tokens, hidden = x.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = tokens * top_k
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_m = _block_m(num_pairs, num_experts)
+    align = moe_align_block_size(topk_ids, num_experts, block_m)
+    act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
+    a, scales = x, None
+    if fp8 is not None:
+        a, a_s = fp8.quantize(x)
+        scales = GemmScales(a_s, fp8.w13)
+    _launch_gemm(a, w13, act, None, align, block_m, top_k, fuse_silu=True, scales=scales)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(x.dtype)
+    a = act
+    if fp8 is not None:
+        a, a_s = fp8.quantize(act)
+        scales = GemmScales(a_s, fp8.w2)
+    _launch_gemm(a, w2, out, weights, align, block_m, 1, fuse_silu=False, scales=scales)
+    return act, out
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    fp8: ExpertScales | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_* [T, K]
     -> sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) as [T, H] in x's dtype."""
     tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    top_k = topk_ids.shape[1]
-    num_pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(x)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    block_m = moe_block_m(num_pairs, num_experts)
-    align = moe_align_block_size(topk_ids, num_experts, block_m)
-    act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-    launch_moe_gemm(x, w13, act, None, align, block_m, top_k, fuse_silu=True)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(x.dtype)
-    launch_moe_gemm(act, w2, out, weights, align, block_m, 1, fuse_silu=False)
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+    _, out = fused_moe_stages(x, w13, w2, topk_weights, topk_ids, fp8)
+    return out.view(tokens, topk_ids.shape[1], hidden).sum(dim=1)

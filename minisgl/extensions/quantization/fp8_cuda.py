@@ -6,9 +6,9 @@ dtype, scales repeated over each block's rows) into the kernels' form: ``qweight
 block-wise checkpoints whose blocks survived tensor-parallel sharding whole, else one row
 per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K); a MoE layer's experts the
 same with the expert leading. `fp8_forward` runs 1-4 rows on kernels/fp8_gemv.py
-(weight-only, MINISGL_FP8_GEMV; the widest weights excepted) and more on kernels/fp8_gemm.py (W8A8, activations
-quantized per token and 128 inputs); `fp8_experts_forward` runs the experts on
-kernels/fp8_moe.py (W8A8). Nothing here imports triton: CPU processes never reach the
+(weight-only, MINISGL_FP8_GEMV; the widest weights excepted) and more on
+kernels/fp8_gemm.py (W8A8, activations quantized per token and 128 inputs);
+`fp8_experts_forward` runs the experts on kernels/fp8_moe.py (W8A8). Nothing here imports triton: CPU processes never reach the
 kernels.
 """
 
@@ -69,17 +69,14 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
     # The module's own dict: nn.Module attribute lookup costs microseconds per layer and step.
     qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
     assert qweight is not None and wscale is not None
-    if use_fp8_gemv(x.shape[0]):
-        if qweight.numel() < GEMV_MAX_WEIGHTS:
-            from minisgl.extensions.quantization.kernels import fp8_gemv
+    few = use_fp8_gemv(x.shape[0])
+    if few and qweight.numel() < GEMV_MAX_WEIGHTS:
+        from minisgl.extensions.quantization.kernels import fp8_gemv
 
-            return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
-        from minisgl.extensions.quantization.kernels import fp8_gemm
-
-        return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, WIDE_FEW_ROWS_TILES)
+        return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
-    return fp8_gemm.fp8_gemm(x, qweight, wscale, bias)
+    return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, WIDE_FEW_ROWS_TILES if few else None)
 
 
 def fp8_experts_forward(

@@ -109,13 +109,7 @@ def check_fused_no_host_sync(device: torch.device) -> None:
     from minisgl.kernels.moe import fused_moe
 
     args = moe_case(16, 8, 2, 64, 32, BF16, device, seed=5)
-    fused_moe(*args)  # compile outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fused_moe(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    kernel_checks.assert_no_host_sync(lambda: fused_moe(*args))
 
 
 CHECKS = kernel_checks.collect(globals())

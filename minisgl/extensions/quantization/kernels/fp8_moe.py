@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.extensions.quantization.kernels.fp8_gemm import quantize_groups
-from minisgl.kernels.moe import GemmScales, launch_moe_gemm, moe_align_block_size, moe_block_m
+from minisgl.kernels.moe import ExpertScales, fused_moe, fused_moe_stages
 
 
 def fp8_moe_stages(
@@ -26,25 +26,10 @@ def fp8_moe_stages(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two products before the sum over top_k: (silu(gate) * up [P, I], the pairs'
-    weighted down outputs [P, H]), in x's dtype; P = T * top_k pairs in (token, k) order.
-    H and I must be multiples of 128 (the activation groups)."""
-    tokens, hidden = x.shape
-    num_experts, two_i, _ = w13.shape
-    top_k = topk_ids.shape[1]
-    num_pairs = tokens * top_k
-    block_m = moe_block_m(num_pairs, num_experts)
-    align = moe_align_block_size(topk_ids, num_experts, block_m)
-    xq, xs = quantize_groups(x if x.stride(-1) == 1 else x.contiguous())
-    act = torch.empty(num_pairs, two_i // 2, dtype=x.dtype, device=x.device)
-    scales = GemmScales(xs, w13_scale)
-    launch_moe_gemm(xq, w13, act, None, align, block_m, top_k, fuse_silu=True, scales=scales)
-    aq, a_s = quantize_groups(act)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(x.dtype)
-    scales = GemmScales(a_s, w2_scale)
-    launch_moe_gemm(aq, w2, out, weights, align, block_m, 1, fuse_silu=False, scales=scales)
-    return act, out
+    """kernels/moe.fused_moe_stages on e4m3 experts: (silu(gate) * up [P, I], the pairs'
+    weighted down outputs [P, H]). H and I must be multiples of 128 (the activation groups)."""
+    fp8 = ExpertScales(w13_scale, w2_scale, quantize_groups)
+    return fused_moe_stages(x, w13, w2, topk_weights, topk_ids, fp8)
 
 
 def fp8_moe(
@@ -58,8 +43,5 @@ def fp8_moe(
 ) -> torch.Tensor:
     """kernels/moe.fused_moe's contract on e4m3 experts and their scales: x [T, H] ->
     sum_k w_k * down_e(silu(gate_e(x)) * up_e(x)) [T, H] in x's dtype."""
-    tokens, hidden = x.shape
-    if tokens == 0:
-        return torch.zeros_like(x)
-    _, out = fp8_moe_stages(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
-    return out.view(tokens, topk_ids.shape[1], hidden).sum(dim=1)
+    fp8 = ExpertScales(w13_scale, w2_scale, quantize_groups)
+    return fused_moe(x, w13, w2, topk_weights, topk_ids, fp8)

@@ -144,13 +144,7 @@ def check_fp8_moe_no_host_sync(device: torch.device) -> None:
     from minisgl.extensions.quantization.kernels.fp8_moe import fp8_moe
 
     args = fp8_moe_case(16, 8, 2, 256, 128, 128, 128, torch.bfloat16, device, 7)[:7]
-    fp8_moe(*args)  # compile outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        fp8_moe(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    kernel_checks.assert_no_host_sync(lambda: fp8_moe(*args))
 
 
 def _build_moe(path: Path, device: torch.device) -> torch.nn.Module:
