@@ -7,7 +7,8 @@ call reads the next of several weight copies, together twice the L2), in CUDA gr
 
 The FP8 GEMV (kernels/fp8_gemv.py) at its default tiles and a grid of others, against bf16
 cuBLAS; the W8A8 GEMM (kernels/fp8_gemm.py, activation quantization included) against bf16
-cuBLAS at larger row counts. --write-table keeps the fastest GEMV tiles per shape and rows.
+cuBLAS at larger row counts, and cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm) beside it
+where this torch and CUDA run it. --write-table keeps the fastest GEMV tiles per shape and rows.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.gpu.bench_gemv import L2_BYTES, SHAPES, graph_time_us, rotating  # noqa: E402
+from minisgl.extensions.quantization.fp8_cuda import cublas_block_gemm_runs  # noqa: E402
 from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv  # noqa: E402
 
 SIZES = [(8, 1024, 4), (4, 2048, 4), (8, 2048, 8), (16, 1024, 8), (4, 1024, 4), (8, 512, 4),
@@ -49,6 +51,18 @@ def gemm_few_rows(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch
           + ", ".join(f"{t:.1f} ({gb / t * 1e3:.2f} TB/s) {c}" for t, c in best), flush=True)  # fmt: skip
 
 
+def cublas_column(x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """cuBLASLt's block-scaled FP8 GEMM (its activation quantizer included), checked against
+    the Triton GEMM's result on the same operands."""
+    if not cublas_block_gemm_runs(x.device):
+        return ""
+    got = fp8_gemm.cublas_fp8_gemm(x, *qs[0]).float()
+    want = fp8_gemm.fp8_gemm(x, *qs[0]).float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    t = graph_time_us(rotating(lambda q: fp8_gemm.cublas_fp8_gemm(x, *q), qs)) / len(qs)
+    return f", cuBLASLt block FP8 {t:7.1f} (max diff {err:.1e} of max)"
+
+
 def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator(device="cuda").manual_seed(n + k)
     out = []
@@ -60,11 +74,13 @@ def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Te
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    ap.add_argument("--rows", type=int, nargs="*", default=[1])
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[16, 64, 256, 2048])
     ap.add_argument("--write-table", default=None)
     ap.add_argument("--gemm-few", action="store_true", help="the GEMM's 64-row tiles at <= 64 rows")
     args = ap.parse_args()
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuBLASLt block-scaled FP8: "
+          f"{cublas_block_gemm_runs(torch.device('cuda', torch.cuda.current_device()))}")  # fmt: skip
     table: list[list[object]] = []
     for name in ("8B qkv", "8B o", "8B gate_up", "8B down"):
         n, k = SHAPES[name]
@@ -82,7 +98,8 @@ def main() -> None:
             t_bf = graph_time_us(rotating(lambda w, x=x: x @ w.T, ws)) / len(ws)
             if rows > fp8_gemv.MAX_ROWS:
                 t = graph_time_us(rotating(lambda q, x=x: fp8_gemm.fp8_gemm(x, *q), qs)) / copies
-                print(f"{name} rows {rows}: GEMM {t:7.1f} us vs bf16 cuBLAS {t_bf:7.1f}")
+                print(f"{name} rows {rows}: GEMM {t:7.1f} us vs bf16 cuBLAS {t_bf:7.1f}"
+                      + cublas_column(x, qs), flush=True)  # fmt: skip
                 continue
             results = []
             want = fp8_gemv.fp8_gemv(x, *qs[0]).float()

@@ -60,6 +60,14 @@ def iter_safetensors(model_dir: Path, device: torch.device) -> Iterator[tuple[st
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    _load_checkpoint(model, weights)
+    # Only now: while a name -> parameter map is alive, the load-time tensors that
+    # finish_loading drops stay allocated beside what replaces them (a 30B FP8 MoE's
+    # bf16-form experts and their e4m3 copies did not fit 80 GB together).
+    finish_loading(model)
+
+
+def _load_checkpoint(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     loaded: set[str] = set()
@@ -85,7 +93,6 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         raise ValueError(
             f"checkpoint is missing weights: {missing[:8]}{' …' if len(missing) > 8 else ''}"
         )
-    finish_loading(model)
 
 
 def _load_tensor(name: str, tensor: torch.Tensor, param: nn.Parameter, shard: int) -> None:

@@ -50,6 +50,18 @@ def test_fp8_gemm_8b_shapes(n: int, k: int) -> None:
         gemm_case(rows, n, k, 128, 128, torch.bfloat16, False, CUDA)
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES_8B)
+def test_cublas_fp8_gemm_8b_shapes(n: int, k: int) -> None:
+    """cuBLASLt's block-scaled FP8 GEMM, which fp8_cuda routes 5+ rows of block-scaled
+    weights to where this torch and CUDA run it, within the same bounds."""
+    from minisgl.extensions.quantization.fp8_cuda import cublas_block_gemm_runs
+
+    if not cublas_block_gemm_runs(CUDA):
+        pytest.skip("this torch/CUDA build's _scaled_mm has no 1x128 x 128x128 scaling")
+    for rows in (5, 64, 300, 2049):
+        gemm_case(rows, n, k, 128, 128, torch.bfloat16, rows == 64, CUDA, cublas=True)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 300])
 @pytest.mark.parametrize("i", [768, 384], ids=["tp1", "tp2"])
 def test_fp8_moe_30b_a3b_shapes(tokens: int, i: int) -> None:

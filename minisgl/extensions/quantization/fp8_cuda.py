@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.extensions.quantization.switches import FP8_GEMV
+from minisgl.extensions.quantization.switches import FP8_CUBLAS, FP8_GEMV
 
 E4M3 = torch.float8_e4m3fn
 GROUP = 128  # kernels/fp8_gemm.py's activation group (K steps of whole groups)
@@ -28,6 +28,34 @@ GEMV_MAX_ROWS = 4  # kernels/fp8_gemv.py's MAX_ROWS
 # stays faster on 8B's qkv, o and down (benchmark/RESULTS.md, 2026-12-06).
 GEMV_MAX_WEIGHTS = 64 * 2**20
 WIDE_FEW_ROWS_TILES = (64, 64, 4, 3)  # fp8_gemm's (BLOCK_M, BLOCK_N, warps, stages)
+CUBLAS_MIN_ROWS = 5  # UNMEASURED: rows from which cuBLASLt's block-scaled GEMM runs
+_cublas_runs: dict[torch.device, bool] = {}  # per device, probed once at load
+
+
+def cublas_block_gemm_runs(device: torch.device) -> bool:
+    """Whether torch._scaled_mm runs 1x128 x 128x128 block scaling on ``device`` (cuBLASLt
+    of CUDA >= 12.9, Hopper) and agrees with kernels/fp8_gemm.py: probed once, at load time
+    (never inside a CUDA-graph capture)."""
+    if device.type != "cuda":
+        return False
+    if device not in _cublas_runs:
+        _cublas_runs[device] = _probe_cublas(device)
+    return FP8_CUBLAS.get() and _cublas_runs[device]
+
+
+def _probe_cublas(device: torch.device) -> bool:
+    from minisgl.extensions.quantization.kernels import fp8_gemm
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(40, 256, device=device, generator=g).bfloat16()
+    w = torch.randn(256, 256, device=device, generator=g).to(E4M3)
+    s = torch.rand(2, 2, device=device, generator=g) + 0.5
+    try:
+        got = fp8_gemm.cublas_fp8_gemm(x, w, s).float()
+    except (RuntimeError, NotImplementedError):  # this build's _scaled_mm lacks the recipe
+        return False
+    want = fp8_gemm.fp8_gemm(x, w, s).float()
+    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
 
 
 def pack_fp8(
@@ -54,6 +82,8 @@ def set_fp8_buffers(
 ) -> None:
     """A dense layer's ``qweight`` and ``wscale``; experts' ``<name>`` and ``<name>_wscale``."""
     # Buffers, not parameters: nothing loads into them, and pack_model skips them.
+    if not name and qweight.is_cuda:
+        cublas_block_gemm_runs(qweight.device)  # probed now: forward may run in a capture
     layer.register_buffer(name or "qweight", qweight, persistent=False)
     layer.register_buffer(f"{name}_wscale" if name else "wscale", wscale, persistent=False)
 
@@ -76,6 +106,9 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
         return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
+    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and wscale.shape[1] * GROUP == x.shape[1]
+    if blocks and x.shape[0] >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(x.device):
+        return fp8_gemm.cublas_fp8_gemm(x, qweight, wscale, bias)
     return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, WIDE_FEW_ROWS_TILES if few else None)
 
 

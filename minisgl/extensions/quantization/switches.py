@@ -12,6 +12,12 @@ FP8_KERNELS = flag(
     "FP8_KERNELS", True, "CUDA: FP8 dense layers and experts keep e4m3 weights; off: bf16"
 )
 FP8_GEMV = flag("FP8_GEMV", True, "CUDA: 1-4-row FP8 products on the FP8 GEMV; off: the GEMM")
+FP8_CUBLAS = flag(
+    "FP8_CUBLAS",
+    True,
+    "CUDA: FP8 products of 128x128-block weights beyond the GEMV's rows on cuBLASLt's "
+    "block-scaled GEMM where torch and CUDA provide it; off: kernels/fp8_gemm.py",
+)
 FP8_MOE_KERNELS = flag(
     "FP8_MOE_KERNELS",
     False,

@@ -22,8 +22,8 @@ E4M3_MAX = 448.0
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, GROUP: tl.constexpr,
-                  BLOCK_G: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, stride_sm, stride_sg,
+                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -33,21 +33,27 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, GROUP: tl.conste
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
     q = (x / scale[:, None]).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + row * groups * GROUP + offs, q, mask=mask)
-    tl.store(s_ptr + row * groups + g, scale, mask=g < groups)
+    tl.store(s_ptr + row * stride_sm + g * stride_sg, scale, mask=g < groups)
 
 
-def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], float32 scales [M, K/128]), x ~ q * scale."""
+def quantize_groups(
+    x: torch.Tensor, column_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], float32 scales [M, K/128]), x ~ q * scale.
+    ``column_major``: the scales' M stride is 1 (the layout cuBLASLt's block scaling reads)."""
     rows, k_dim = x.shape
     assert k_dim % GROUP == 0 and x.stride(1) == 1
     groups = k_dim // GROUP
     q = torch.empty(rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    s = torch.empty((groups, rows) if column_major else (rows, groups), dtype=torch.float32,
+                    device=x.device)  # fmt: skip
+    s = s.t() if column_major else s
     if rows:
         block_g = min(8, triton.next_power_of_2(groups))
         _quant_kernel[(rows, cdiv(groups, block_g))](
-            x, q, s, rows, groups, x.stride(0), GROUP=GROUP, BLOCK_G=block_g, **pdl_args()
-        )
+            x, q, s, rows, groups, x.stride(0), s.stride(0), s.stride(1), GROUP=GROUP,
+            BLOCK_G=block_g, **pdl_args(),
+        )  # fmt: skip
     return q, s
 
 
@@ -130,3 +136,13 @@ def fp8_gemm(
         num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
+
+
+def cublas_fp8_gemm(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`fp8_gemm` on cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm: activations in
+    1 x 128 groups, weights in 128 x 128 blocks, ``scales`` [N/128, K/128]; CUDA >= 12.9 on
+    Hopper): the same quantized operands, cuBLAS's tiles and pipelining."""
+    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), column_major=True)
+    return torch._scaled_mm(q, weight.t(), qs, scales.t(), bias=bias, out_dtype=x.dtype)

@@ -106,6 +106,39 @@ def test_tp2_matches_tp1(ckpts: dict[str, tuple[Path, Path]]) -> None:
         assert [r["token_ids"] for r in tp2.generate(PROMPTS, params)] == want
 
 
+def test_load_time_tensors_freed_as_layers_finish(
+    ckpts: dict[str, tuple[Path, Path]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load-time tensors a layer drops once loaded are freed there and then, not at the
+    end of loading: a 30B FP8 MoE's bf16-form experts beside their e4m3 copies overflowed
+    an 80 GB GPU while load_weights still held every parameter by name."""
+    import gc
+    import weakref
+
+    from minisgl.models import loader
+
+    finish = loader.finish_loading
+    survivors: list[str] = []
+
+    def finish_and_check(model: torch.nn.Module) -> None:
+        raw = [
+            (n, weakref.ref(p))
+            for n, p in model.named_parameters()
+            if getattr(p, "raw_checkpoint", False)
+        ]
+        finish(model)
+        kept = {id(p) for p in model.parameters()}
+        survivors.extend(n for n, r in raw if (p := r()) is not None and id(p) not in kept)
+
+    monkeypatch.setattr(loader, "finish_loading", finish_and_check)
+    gc.disable()  # freed by reference counts, not by a later collection
+    try:
+        _build(ckpts["moe_block_keep"][0])
+    finally:
+        gc.enable()
+    assert not survivors, survivors
+
+
 @pytest.mark.parametrize(("arch", "kind"), [("qwen3", "block"), ("qwen3_moe", "tensor")])
 def test_dummy_load_builds_fp8_weights(
     tiny_models: TinyModels, tmp_path: Path, arch: str, kind: str

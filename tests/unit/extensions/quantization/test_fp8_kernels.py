@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from minisgl import env
+
 if __name__ == "__main__":  # the interpreter child: make `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
 
@@ -66,14 +68,20 @@ def gemv_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, b
 
 
 def gemm_case(rows: int, n: int, k: int, sn: int, sk: int, dtype: torch.dtype, bias: bool,
-              device: torch.device) -> None:  # fmt: skip
-    from minisgl.extensions.quantization.kernels.fp8_gemm import fp8_gemm, quantize_groups
+              device: torch.device, cublas: bool = False) -> None:  # fmt: skip
+    """``cublas``: cuBLASLt's block-scaled GEMM (fp8_gemm.cublas_fp8_gemm) instead."""
+    from minisgl.extensions.quantization.kernels.fp8_gemm import (
+        cublas_fp8_gemm,
+        fp8_gemm,
+        quantize_groups,
+    )
 
     q, s, w = fp8_weights(n, k, sn, sk, rows + n + k + sn)
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(rows, k, generator=g) * 3).to(dtype).to(device)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = fp8_gemm(x, q.to(device), s.to(device), None if b is None else b.to(device))
+    gemm = cublas_fp8_gemm if cublas else fp8_gemm
+    got = gemm(x, q.to(device), s.to(device), None if b is None else b.to(device))
     assert got.shape == (rows, n) and got.dtype == dtype
     xq, xs = quantize_groups(x)
     xd, w = xq.double() * xs.double().repeat_interleave(128, 1), w.to(device)
@@ -173,10 +181,11 @@ def test_pack_fp8_experts() -> None:
 def test_few_rows_route_by_weight_size() -> None:
     """1-4 rows run the weight-only GEMV, but the W8A8 GEMM on its 64-row tiles for the
     widest weights (where the H200 sweep measured it faster); more rows the GEMM's own
-    tiles. Shapes only (meta tensors), the kernels replaced by recorders."""
+    tiles, or cuBLASLt's block-scaled GEMM where it runs (and the switch is on). Shapes only
+    (meta tensors), the kernels replaced by recorders."""
     from unittest import mock
 
-    from minisgl.extensions.quantization import fp8_cuda
+    from minisgl.extensions.quantization import FP8_CUBLAS, fp8_cuda
     from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv
 
     calls: list[tuple[str, object]] = []
@@ -184,11 +193,25 @@ def test_few_rows_route_by_weight_size() -> None:
     gemm = mock.patch.object(
         fp8_gemm, "fp8_gemm", lambda *a: calls.append(("gemm", a[4] if len(a) > 4 else None))
     )
-    with gemv, gemm:
-        for n, k, rows in ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5)):
-            layer = torch.nn.Module()
-            q = torch.empty(n, k, dtype=E4M3, device="meta")
-            fp8_cuda.set_fp8_buffers(layer, q, torch.empty(n // 128, k // 128, device="meta"))
-            fp8_cuda.fp8_forward(layer, torch.empty(rows, k, device="meta"), None)
-    tiles = fp8_cuda.WIDE_FEW_ROWS_TILES
-    assert calls == [("gemv", None), ("gemm", tiles), ("gemm", tiles), ("gemm", None)]
+    cublas = mock.patch.object(
+        fp8_gemm, "cublas_fp8_gemm", lambda *a: calls.append(("cublas", None))
+    )
+    shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5))
+    for runs in (False, True):
+        calls.clear()
+        probe = mock.patch.object(fp8_cuda, "cublas_block_gemm_runs", lambda d, r=runs: r)
+        with gemv, gemm, cublas, probe:
+            for n, k, rows in shapes:
+                layer = torch.nn.Module()
+                q = torch.empty(n, k, dtype=E4M3, device="meta")
+                fp8_cuda.set_fp8_buffers(layer, q, torch.empty(n // 128, k // 128, device="meta"))
+                fp8_cuda.fp8_forward(layer, torch.empty(rows, k, device="meta"), None)
+        tiles = fp8_cuda.WIDE_FEW_ROWS_TILES
+        last = ("cublas", None) if runs else ("gemm", None)
+        assert calls == [("gemv", None), ("gemm", tiles), ("gemm", tiles), last], runs
+    # The switch turns a device's probed cuBLAS off (an entry as the probe leaves it).
+    gpu = torch.device("cuda", 7)
+    with mock.patch.dict(fp8_cuda._cublas_runs, {gpu: True}):
+        for on in (True, False):
+            with env.override({FP8_CUBLAS: on}):
+                assert fp8_cuda.cublas_block_gemm_runs(gpu) is on
