@@ -35,6 +35,9 @@ GRID = [(bn, bk, w, 1, p, r) for (bn, bk, w), p, r in itertools.product(SIZES, (
 
 # The W8A8 GEMM on 64-row tiles (e4m3 wgmma) at the GEMV's row counts (--gemm-few).
 GEMM_QGMMA_GRID = [(64, bn, 4, st) for bn in (16, 32, 64) for st in (3, 5)]
+# Its tiles from 256 rows (--gemm-sweep): (BLOCK_M, BLOCK_N, warps, stages).
+GEMM_LARGE_GRID = [(64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 3),
+                   (128, 128, 8, 4), (128, 256, 8, 3), (64, 256, 4, 3), (256, 128, 8, 3)]  # fmt: skip
 
 
 def gemm_few_rows(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -49,6 +52,18 @@ def gemm_few_rows(name: str, x: torch.Tensor, qs: list[tuple[torch.Tensor, torch
     best = sorted(results)[:3]
     print(f"{name} rows {x.shape[0]}: W8A8 GEMM 64-row tiles "
           + ", ".join(f"{t:.1f} ({gb / t * 1e3:.2f} TB/s) {c}" for t, c in best), flush=True)  # fmt: skip
+
+
+def gemm_tiles_column(x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """The Triton GEMM's three fastest tiles of GEMM_LARGE_GRID."""
+    results = []
+    for tiles in GEMM_LARGE_GRID:
+        try:
+            run = rotating(lambda q, t=tiles: fp8_gemm.fp8_gemm(x, *q, tiles=t), qs)
+            results.append((graph_time_us(run) / len(qs), tiles))
+        except Exception as e:  # a tile Triton cannot compile (shared memory)
+            print(f"  {tiles}: {type(e).__name__}")
+    return ", tiles " + ", ".join(f"{t:.1f} {c}" for t, c in sorted(results)[:3])
 
 
 def cublas_column(x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
@@ -78,6 +93,7 @@ def main() -> None:
     ap.add_argument("--gemm-rows", type=int, nargs="*", default=[16, 64, 256, 2048])
     ap.add_argument("--write-table", default=None)
     ap.add_argument("--gemm-few", action="store_true", help="the GEMM's 64-row tiles at <= 64 rows")
+    ap.add_argument("--gemm-sweep", action="store_true", help="the GEMM's tiles from 256 rows")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuBLASLt block-scaled FP8: "
           f"{cublas_block_gemm_runs(torch.device('cuda', torch.cuda.current_device()))}")  # fmt: skip
@@ -99,7 +115,9 @@ def main() -> None:
             if rows > fp8_gemv.MAX_ROWS:
                 t = graph_time_us(rotating(lambda q, x=x: fp8_gemm.fp8_gemm(x, *q), qs)) / copies
                 print(f"{name} rows {rows}: GEMM {t:7.1f} us vs bf16 cuBLAS {t_bf:7.1f}"
-                      + cublas_column(x, qs), flush=True)  # fmt: skip
+                      + cublas_column(x, qs)
+                      + (gemm_tiles_column(x, qs) if args.gemm_sweep and rows >= 256 else ""),
+                      flush=True)  # fmt: skip
                 continue
             results = []
             want = fp8_gemv.fp8_gemv(x, *qs[0]).float()

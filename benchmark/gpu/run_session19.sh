@@ -27,6 +27,9 @@ grep -E "passed|failed|FAILED|ERROR|SKIP" $OUT/tests.log | tail -12
 t "gemm sweep"
 timeout 100 python3 benchmark/gpu/bench_fp8.py --rows --gemm-rows 16 64 256 2048 8192 > $OUT/sweep.log 2>&1
 cat $OUT/sweep.log | tail -34
+if grep -q "block-scaled FP8: False" $OUT/sweep.log; then  # no cuBLAS recipe: the Triton tiles
+  timeout 100 python3 benchmark/gpu/bench_fp8.py --rows --gemm-rows 256 8192 --gemm-sweep 2>&1 | tail -12
+fi
 off() {  # model [env]
   [ $((SECONDS - T0)) -lt ${LIMIT:-480} ] || { t "skip $*"; return; }
   t "offline $*"
