@@ -31,6 +31,11 @@ LAYOUTS: dict[str, Layout] = {
         sb.t().contiguous(),
     ),
     "a row-major, b view": lambda sa, sb: (sa, sb.t()),
+    # Diagnostics (session 19: the first layout ran but fp8_cuda's probe rejected its result):
+    # which scale cuBLAS misreads shows in how far each of these lands from the reference.
+    "a ones": lambda sa, sb: (torch.ones_like(sa).t().contiguous().t(), sb.t()),
+    "b ones": lambda sa, sb: (sa.t().contiguous().t(), torch.ones_like(sb).t()),
+    "reciprocals": lambda sa, sb: ((1 / sa).t().contiguous().t(), (1 / sb).t()),
 }
 
 

@@ -187,7 +187,9 @@ class Engine:
         max_bs = c.cuda_graph_max_bs
         if max_bs is None:
             total = torch.cuda.get_device_properties(self.device).total_memory
-            max_bs = 256 if total > 80 * 2**30 else 160
+            # 80 GB cards report 79.2 GiB: they take 256 as the H200 does (at 160, an
+            # H100's offline decode batches of 161-256 rows ran eagerly, host-bound).
+            max_bs = 256 if total > 60 * 2**30 else 160
         max_tokens = 2048 if c.cuda_graph_max_tokens is None else c.cuda_graph_max_tokens
         parts = (self.model, self.attn_backend, self.page_table, self.scratch_slot)
         target = GraphTarget(*parts, self.context_length, self.device, self.tp.size)
