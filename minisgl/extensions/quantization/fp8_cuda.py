@@ -47,15 +47,18 @@ def _probe_cublas(device: torch.device) -> bool:
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
     g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(40, 256, device=device, generator=g).bfloat16()
-    w = torch.randn(256, 256, device=device, generator=g).to(E4M3)
-    s = torch.rand(2, 2, device=device, generator=g) + 0.5
-    try:
-        got = fp8_gemm.cublas_fp8_gemm(x, w, s).float()
-    except (RuntimeError, NotImplementedError):  # this build's _scaled_mm lacks the recipe
-        return False
-    want = fp8_gemm.fp8_gemm(x, w, s).float()
-    return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()))
+    for m, n, k in ((40, 256, 512), (37, 384, 1024)):  # odd row counts too
+        x = torch.randn(m, k, device=device, generator=g).bfloat16()
+        w = torch.randn(n, k, device=device, generator=g).to(E4M3)
+        s = torch.rand(n // GROUP, k // GROUP, device=device, generator=g) + 0.5
+        try:
+            got = fp8_gemm.cublas_fp8_gemm(x, w, s).float()
+        except (RuntimeError, NotImplementedError):  # this build's _scaled_mm lacks the recipe
+            return False
+        want = fp8_gemm.fp8_gemm(x, w, s).float()
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+            return False
+    return True
 
 
 def pack_fp8(
@@ -106,7 +109,12 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
         return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
-    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and wscale.shape[1] * GROUP == x.shape[1]
+    # K/128 a multiple of 4: torch's newer scaled_mm asks the weight scales' rows padded so
+    # (its meta checks' L4), the older entry point took K/128 = 2, and session 19's probe of
+    # that shape disagreed with the Triton GEMM.
+    k_groups = wscale.shape[1]
+    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == x.shape[1]
+    blocks = blocks and k_groups % 4 == 0
     if blocks and x.shape[0] >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(x.device):
         return fp8_gemm.cublas_fp8_gemm(x, qweight, wscale, bias)
     return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, WIDE_FEW_ROWS_TILES if few else None)

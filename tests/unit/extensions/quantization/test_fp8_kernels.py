@@ -181,7 +181,8 @@ def test_pack_fp8_experts() -> None:
 def test_few_rows_route_by_weight_size() -> None:
     """1-4 rows run the weight-only GEMV, but the W8A8 GEMM on its 64-row tiles for the
     widest weights (where the H200 sweep measured it faster); more rows the GEMM's own
-    tiles, or cuBLASLt's block-scaled GEMM where it runs (and the switch is on). Shapes only
+    tiles, or cuBLASLt's block-scaled GEMM where it runs (the switch on, K/128 a multiple of
+    4). Shapes only
     (meta tensors), the kernels replaced by recorders."""
     from unittest import mock
 
@@ -196,7 +197,8 @@ def test_few_rows_route_by_weight_size() -> None:
     cublas = mock.patch.object(
         fp8_gemm, "cublas_fp8_gemm", lambda *a: calls.append(("cublas", None))
     )
-    shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5))
+    # The last: K/128 = 5, not a multiple of 4, which cuBLAS is not given.
+    shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5), (256, 640, 9))
     for runs in (False, True):
         calls.clear()
         probe = mock.patch.object(fp8_cuda, "cublas_block_gemm_runs", lambda d, r=runs: r)
@@ -208,7 +210,8 @@ def test_few_rows_route_by_weight_size() -> None:
                 fp8_cuda.fp8_forward(layer, torch.empty(rows, k, device="meta"), None)
         tiles = fp8_cuda.WIDE_FEW_ROWS_TILES
         last = ("cublas", None) if runs else ("gemm", None)
-        assert calls == [("gemv", None), ("gemm", tiles), ("gemm", tiles), last], runs
+        want = [("gemv", None), ("gemm", tiles), ("gemm", tiles), last, ("gemm", None)]
+        assert calls == want, runs
     # The switch turns a device's probed cuBLAS off (an entry as the probe leaves it).
     gpu = torch.device("cuda", 7)
     with mock.patch.dict(fp8_cuda._cublas_runs, {gpu: True}):
