@@ -29,8 +29,10 @@ from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv  # noqa: 
 
 SIZES = [(8, 1024, 4), (4, 2048, 4), (8, 2048, 8), (16, 1024, 8), (4, 1024, 4), (8, 512, 4),
          (16, 1024, 4), (16, 2048, 8), (32, 1024, 8)]  # fmt: skip
-# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R); R = 1 only at <= 64 accumulators a thread.
-GRID = [(bn, bk, w, 1, p, r) for (bn, bk, w), p, r in itertools.product(SIZES, (0, 1), (1, 16))
+# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R, FLAT); R = 1 only at <= 64 accumulators a
+# thread; FLAT (one row's products in the weights' layout) at one row only.
+GRID = [(bn, bk, w, 1, p, r, f)
+        for (bn, bk, w), p, r, f in itertools.product(SIZES, (0, 1), (1, 16), (0, 1))
         if r > 1 or bn * bk <= 64 * 32 * w]  # fmt: skip
 
 # The W8A8 GEMM on 64-row tiles (e4m3 wgmma) at the GEMV's row counts (--gemm-few).
@@ -122,6 +124,8 @@ def main() -> None:
             results = []
             want = fp8_gemv.fp8_gemv(x, *qs[0]).float()
             for cfg in [None, *GRID]:
+                if cfg is not None and cfg[-1] and rows > 1:
+                    continue  # FLAT runs at one row only
                 tiles = None if cfg is None else (rows, *cfg)
                 run = rotating(lambda q, x=x, t=tiles: fp8_gemv.fp8_gemv(x, *q, tiles=t), qs)
                 try:

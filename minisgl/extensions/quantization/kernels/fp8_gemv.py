@@ -20,8 +20,12 @@ Measured on the H200 (benchmark/RESULTS.md, 2026-12-05): at the default tiles it
 too few bytes in flight (one 8 KB step per program, 64 accumulators a thread). Two variants
 are in the kernel, UNMEASURED on a GPU (checked under the interpreter only): PREFETCH
 requests the next step's weights before this step's products (what lifted the int4 GEMV),
-R > 1 sums runs of R inputs in-thread (fewer accumulators: wider tiles). bench_fp8.py sweeps
-them with the tiles and --write-table gives bench_latency.py their best.
+R > 1 sums runs of R inputs in-thread (fewer accumulators: wider tiles). FLAT (one row)
+forms the products in the weights' own 2-D layout rather than a 3-D [rows, N, K] one: its
+sm_90 SASS (Triton 3.9, 8 x 1024 tiles, 4 warps) has no byte permutes (224 PRMT before; 1,216
+-> 896 instructions), leaving per weight half an e4m3-pair conversion, one f16 -> f32 and
+one FFMA (UNMEASURED on a GPU). bench_fp8.py sweeps them with the tiles and --write-table
+gives bench_latency.py their best.
 """
 
 from __future__ import annotations
@@ -52,13 +56,29 @@ def _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK: tl.constex
 
 @triton.jit
 def _products(x, w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              R: tl.constexpr):  # fmt: skip
+              R: tl.constexpr, FLAT: tl.constexpr):  # fmt: skip
     """x [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K] elementwise, in float32; R > 1: summed
-    over runs of R inputs (fewer accumulators where a thread holds R consecutive weights)."""
-    p = x[:, None, :] * w.to(tl.float32)[None, :, :]
-    if R > 1:
-        p = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, BLOCK_K // R, R]), axis=3)
+    over runs of R inputs (fewer accumulators where a thread holds R consecutive weights).
+    FLAT (one row): [BLOCK_N, BLOCK_K // R] products in the weights' own 2-D layout."""
+    if FLAT:
+        p = w.to(tl.float32) * tl.reshape(x, [BLOCK_K])[None, :]
+        if R > 1:
+            p = tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // R, R]), axis=2)
+    else:
+        p = x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if R > 1:
+            p = tl.sum(tl.reshape(p, [BLOCK_M, BLOCK_N, BLOCK_K // R, R]), axis=3)
     return p
+
+
+@triton.jit
+def _row_sums(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.constexpr):
+    """The accumulators summed over K: [BLOCK_M, BLOCK_N]."""
+    if FLAT:
+        y = tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
+    else:
+        y = tl.sum(acc, axis=2)
+    return y
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -66,7 +86,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om, stride_s,
     SN: tl.constexpr, SK: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    R: tl.constexpr, PDL: tl.constexpr,
+    R: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -88,7 +108,10 @@ def _fp8_gemv_kernel(
     s_row = s_ptr + (pid * BLOCK_N // SN) * stride_s  # block scales: the program's row
     pdl_wait(PDL)
     if PREFETCH:  # the next step's weights requested before this step's products
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // R], tl.float32)
+        if FLAT:
+            acc = tl.zeros([BLOCK_N, BLOCK_K // R], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // R], tl.float32)
         w = w0
         for k0 in range(0, k_dim, BLOCK_K):
             kn = k0 + BLOCK_K + offs_k
@@ -96,18 +119,18 @@ def _fp8_gemv_kernel(
                           other=0.0)  # fmt: skip
             x = _scaled_x(x_ptr, s_row, offs_m, m_mask, k0 + offs_k, k_dim, stride_xm, SK,
                           ROW_SCALE)  # fmt: skip
-            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R)
+            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
             w = nxt
     else:
         x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE)
-        acc = _products(x0, w0, BLOCK_M, BLOCK_N, BLOCK_K, R)
+        acc = _products(x0, w0, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
         for k0 in range(BLOCK_K, k_dim, BLOCK_K):
             kk = k0 + offs_k
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :],
                         other=0.0)  # fmt: skip
             x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE)
-            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R)
-    y = tl.sum(acc, axis=2)
+            acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
+    y = _row_sums(acc, BLOCK_M, BLOCK_N, FLAT)
     if ROW_SCALE:
         y = y * s_col[None, :]
     if HAS_BIAS:
@@ -116,9 +139,10 @@ def _fp8_gemv_kernel(
     tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R) as the kernel takes them.
-Config = tuple[int, int, int, int, int, int]
-Tiles = tuple[int, int, int, int, int, int, int]  # (BLOCK_M, *Config)
+# (BLOCK_N, BLOCK_K, warps, stages, PREFETCH, R, FLAT) as the kernel takes them; FLAT is
+# honoured at one row only.
+Config = tuple[int, int, int, int, int, int, int]
+Tiles = tuple[int, int, int, int, int, int, int, int]  # (BLOCK_M, *Config)
 
 # Configs per (rows, N, K), overriding fp8_gemv_tiles: set by tuning runs
 # (benchmark/gpu/bench_fp8.py --write-table, bench_latency.py --fp8-gemv-table).
@@ -130,7 +154,7 @@ def fp8_gemv_tiles(rows: int, n_cols: int, k_dim: int) -> Tiles:
     block_m = triton.next_power_of_2(max(rows, 1))
     if (rows, n_cols, k_dim) in TABLE:
         return (block_m, *TABLE[rows, n_cols, k_dim])
-    return block_m, 8, 1024, 4, 1, 0, 1
+    return block_m, 8, 1024, 4, 1, 0, 1, 0
 
 
 def fp8_gemv(
@@ -152,7 +176,7 @@ def fp8_gemv(
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps, stages, prefetch, r = tiles or fp8_gemv_tiles(
+    block_m, block_n, block_k, warps, stages, prefetch, r, flat = tiles or fp8_gemv_tiles(
         rows, n_cols, k_dim
     )
     row_scale = sk == k_dim
@@ -162,7 +186,8 @@ def fp8_gemv(
         x, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
         x.stride(0), out.stride(0), scales.stride(0),
         SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, num_warps=warps,
+        BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, FLAT=bool(flat) and block_m == 1,
+        num_warps=warps,
         num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
@@ -171,6 +196,7 @@ def fp8_gemv(
 def load_table(path: str) -> None:
     """Read a JSON list of [rows, N, K, Config] into TABLE."""
     with open(path) as f:
+        # Tables written before FLAT existed hold six values.
         TABLE.update(
-            {(r, n, k): (t[0], t[1], t[2], t[3], t[4], t[5]) for r, n, k, t in json.load(f)}
+            {(r, n, k): (*t[:6], t[6] if len(t) > 6 else 0) for r, n, k, t in json.load(f)}
         )

@@ -97,10 +97,14 @@ def check_fp8_gemv_block_scales(device: torch.device) -> None:
 
 
 def check_fp8_gemv_prefetch_and_run_sums(device: torch.device) -> None:
-    """The tiles' variants: next step prefetched, sums over runs of R inputs."""
-    gemv_case(1, 256, 640, 128, 128, torch.bfloat16, False, device, (1, 8, 256, 4, 1, 1, 16))
-    gemv_case(2, 64, 384, 1, 384, torch.bfloat16, True, device, (2, 16, 128, 4, 1, 0, 16))
-    gemv_case(4, 128, 512, 128, 128, torch.float32, False, device, (4, 4, 256, 4, 1, 1, 1))
+    """The tiles' variants: next step prefetched, sums over runs of R inputs, one row's
+    products in the weights' 2-D layout (FLAT; ignored above one row)."""
+    gemv_case(1, 256, 640, 128, 128, torch.bfloat16, False, device, (1, 8, 256, 4, 1, 1, 16, 0))
+    gemv_case(2, 64, 384, 1, 384, torch.bfloat16, True, device, (2, 16, 128, 4, 1, 0, 16, 1))
+    gemv_case(4, 128, 512, 128, 128, torch.float32, False, device, (4, 4, 256, 4, 1, 1, 1, 0))
+    gemv_case(1, 256, 640, 128, 128, torch.bfloat16, True, device, (1, 8, 256, 4, 1, 0, 1, 1))
+    gemv_case(1, 100, 384, 1, 384, torch.bfloat16, False, device, (1, 4, 128, 4, 1, 1, 16, 1))
+    gemv_case(1, 256, 512, 128, 128, torch.float32, False, device, (1, 16, 128, 4, 1, 1, 1, 1))
 
 
 def check_fp8_gemv_row_scales(device: torch.device) -> None:
