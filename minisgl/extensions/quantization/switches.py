@@ -22,5 +22,5 @@ FP8_MOE_KERNELS = flag(
     "FP8_MOE_KERNELS",
     False,
     "CUDA: FP8 MoE experts keep e4m3 weights for the FP8 fused MoE (with FP8_KERNELS); off: "
-    "dequantized to bf16 at load (the default until it is measured against bf16 on a GPU)",
+    "dequantized to bf16 at load (the default: not yet faster than them on a GPU)",
 )
