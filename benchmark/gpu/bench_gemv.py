@@ -198,11 +198,11 @@ def main() -> None:
             bm = gemv_tiles(rows)[0]
             limit = 16384
             configs = [gemv_tiles(rows)] + [
-                (bm, bn, bk, wp, st)
-                for bn, bk, wp, st in itertools.product(
-                    (2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4)
+                (bm, bn, bk, wp, st, flat)  # FLAT: one row's products in 2-D (kernels/gemv.py)
+                for bn, bk, wp, st, flat in itertools.product(
+                    (2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4), (0, 1)
                 )
-                if bm * bn * bk <= limit
+                if bm * bn * bk <= limit and (rows == 1 or not flat)
             ]
             results = []
             for cfg in dict.fromkeys(configs):

@@ -31,4 +31,12 @@ off() {  # label dir
 }
 off main .
 [ -d base ] && off base base
+if [ $((SECONDS - T0)) -lt ${LIMIT:-480} ]; then  # the bf16 GEMV's FLAT tiles at 0.6B shapes
+  t "bf16 gemv sweep (0.6B, FLAT variant) + 0.6B batch 1 with its table"
+  timeout 90 python3 benchmark/gpu/bench_gemv.py --rows 1 --shapes 0.6B --write-table $OUT/gemv.json 2>&1 | tail -5
+  for table in "" "--gemv-table $OUT/gemv.json" "" "--gemv-table $OUT/gemv.json"; do
+    timeout 40 python3 benchmark/offline/bench_latency.py --model benchmark/configs/Qwen3-0.6B \
+      --load-format dummy $table 2>&1 | grep -iE "ms/token|error" | tail -1
+  done
+fi
 t done

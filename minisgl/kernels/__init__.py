@@ -8,5 +8,5 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# GEMV launch tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); see kernels/gemv.py.
-GemvTiles = tuple[int, int, int, int, int]
+# GEMV launch tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, FLAT); see kernels/gemv.py.
+GemvTiles = tuple[int, int, int, int, int, int]

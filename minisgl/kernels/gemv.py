@@ -10,6 +10,11 @@ benchmark/RESULTS.md): one row on weights up to ~64M elements, e.g. Qwen3-8B's o
 7.1 vs 10.5 us and down 25.4 vs 28.5 us, Qwen3-0.6B's o 2.6 vs 12.4 us (cuBLAS runs a split-K
 GEMM plus a reduction there). cuBLAS stays on the widest weights (8B gate_up, LM heads) and
 on 2-4 rows, where it was faster at every tile tried.
+
+Tiles are (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, FLAT). FLAT (one row, off in every
+default until a sweep times it) forms the products in the weights' own 2-D layout instead of
+a 3-D [rows, N, K] one, which in the sm_90 SASS sends each weight tile through shared memory
+(RESULTS.md, 2026-12-06).
 """
 
 from __future__ import annotations
@@ -77,12 +82,24 @@ def _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, stride_xm, s
     return tl.rsqrt(ss / k_dim + eps)
 
 
+@triton.jit
+def _products(x, w, BLOCK_K: tl.constexpr, FLAT: tl.constexpr):
+    """The step's products in float32: [BLOCK_M, BLOCK_N, BLOCK_K]; FLAT (one row):
+    [BLOCK_N, BLOCK_K] in the weights' own layout, which spares the 3-D layout's trip of each
+    weight tile through shared memory (sm_90 SASS: 552 -> 408 instructions at 8 x 512)."""
+    if FLAT:
+        p = tl.reshape(x.to(tl.float32), [BLOCK_K])[None, :] * w.to(tl.float32)
+    else:
+        p = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return p
+
+
 @triton.jit(do_not_specialize=["rows"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, rows, n_cols, k_dim, stride_xm,
     stride_wn, stride_om, stride_rm, eps, HAS_BIAS: tl.constexpr, SILU_X: tl.constexpr,
     NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
+    FLAT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # (The peer-memory extension's pushing GEMV repeats the unbiased arithmetic
     # with a push of its own: a change here must be made there too, where a test checks
@@ -111,10 +128,9 @@ def _gemv_kernel(
         rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, stride_xm,
                           stride_rm, k_dim, eps, pid == 0, BLOCK_M, BLOCK_K, NORM)  # fmt: skip
     xt = (x_ptr, res_ptr, nw_ptr, offs_m)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     x_mask0 = m_mask[:, None] & (offs_k < k_dim)[None, :]
     x0 = _x_tile(*xt, offs_k, x_mask0, stride_xm, stride_rm, k_dim, rstd, SILU_X, NORM)
-    acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
+    acc = _products(x0, w0, BLOCK_K, FLAT)
     for k0 in range(BLOCK_K, k_dim, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_dim
@@ -122,8 +138,11 @@ def _gemv_kernel(
         x_mask = m_mask[:, None] & k_mask[None, :]
         x = _x_tile(*xt, kk, x_mask, stride_xm, stride_rm, k_dim, rstd, SILU_X, NORM)
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)
+        acc += _products(x, w, BLOCK_K, FLAT)
+    if FLAT:
+        y = tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
+    else:
+        y = tl.sum(acc, axis=2)
     if HAS_BIAS:
         y += bias[None, :]
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -141,13 +160,18 @@ TABLE: dict[tuple[int, int, int], Tiles | None] = {}
 def load_table(path: str) -> None:
     """Read a JSON list of [rows, N, K, tiles or null (cuBLAS)] into TABLE."""
     with open(path) as f:
-        TABLE.update({(r, n, k): tuple(t) if t else None for r, n, k, t in json.load(f)})
+        # Tables written before FLAT existed hold five values.
+        TABLE.update({(r, n, k): _tiles(t) if t else None for r, n, k, t in json.load(f)})
+
+
+def _tiles(t: list[int]) -> Tiles:
+    return (t[0], t[1], t[2], t[3], t[4], t[5] if len(t) > 5 else 0)
 
 
 def gemv_tiles(rows: int) -> Tiles:
     """Default tiles: ~8k float32 accumulators per program."""
     block_m = triton.next_power_of_2(max(rows, 1))
-    return block_m, 16 // block_m if block_m < 16 else 1, 512, 4, 3
+    return block_m, 16 // block_m if block_m < 16 else 1, 512, 4, 3, 0
 
 
 def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
@@ -158,12 +182,12 @@ def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
     if rows != 1 or n_cols * k_dim > 64 * 2**20:
         return None
     if n_cols <= 1024:
-        return 1, 4, 2048, 4, 4  # few column blocks: each program streams a long K
+        return 1, 4, 2048, 4, 4, 0  # few column blocks: each program streams a long K
     # Qwen3-8B's down: the best tiles of the cold sweep (weights evicted from L2 between
     # calls, as in decoding); 8B batch 1 went 4.91 -> 4.60 ms/token with them (RESULTS.md).
     if k_dim >= 8192 or (k_dim >= 4096 and n_cols <= 4096):
-        return 1, 8, 1024, 4, 4
-    return 1, 8, 512, 4, 4
+        return 1, 8, 1024, 4, 4, 0
+    return 1, 8, 512, 4, 4, 0
 
 
 def gemv(
@@ -223,11 +247,12 @@ def _launch(
     nw, eps, res_out = norm if norm is not None else (weight, 0.0, out)
     res = residual if residual is not None else x
     mode = 0 if norm is None else (2 if residual is not None else 1)
-    block_m, block_n, block_k, warps, stages = tiles or gemv_tiles(rows)
+    block_m, block_n, block_k, warps, stages, flat = tiles or gemv_tiles(rows)
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, res, nw, res_out, rows, n_cols,
         k_dim, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_X=silu_x, NORM=mode, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps, num_stages=stages, **pdl_args(),
+        BLOCK_K=block_k, FLAT=bool(flat) and block_m == 1, num_warps=warps, num_stages=stages,
+        **pdl_args(),
     )  # fmt: skip
     return out

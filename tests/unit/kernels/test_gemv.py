@@ -69,6 +69,34 @@ def check_gemv_tile_rule(device: torch.device) -> None:
     assert gemv_choice(2, 1024, 1024) is None and gemv_choice(1, 151936, 1024) is None
 
 
+def check_gemv_flat_tiles(device: torch.device) -> None:
+    """FLAT tiles (one row's products in the weights' 2-D layout) compute the product with
+    each prologue; above one row they are ignored."""
+    from minisgl.kernels.activation import silu_and_mul
+    from minisgl.kernels.gemv import gemv, gemv_add_rms_norm
+
+    g = torch.Generator().manual_seed(13)
+    for rows, n, k, tiles in (
+        (1, 40, 700, (1, 8, 256, 4, 2, 1)),
+        (2, 24, 512, (2, 8, 128, 4, 1, 1)),
+    ):
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+        got = gemv(x.to(device), w.to(device), None, tiles)
+        torch.testing.assert_close(got.cpu(), x @ w.T, atol=1e-4, rtol=1e-4)
+    gate_up, w = torch.randn(1, 2 * 256, generator=g), torch.randn(16, 256, generator=g) / 16
+    flat = (1, 4, 128, 4, 1, 1)
+    got = gemv(gate_up.to(device), w.to(device), None, flat, silu_x=True)
+    want = silu_and_mul(gate_up) @ w.T
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
+    x, res, nw = (torch.randn(1, 256, generator=g) for _ in range(3))
+    out, res_out = gemv_add_rms_norm(x.to(device), res.to(device), nw[0].to(device), 1e-6,
+                                     w.to(device), None, flat)  # fmt: skip
+    h = x + res
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw[0]
+    torch.testing.assert_close(res_out.cpu(), h)
+    torch.testing.assert_close(out.cpu(), normed @ w.T, atol=1e-4, rtol=1e-4)
+
+
 def check_gemv_silu_mul_prologue(device: torch.device) -> None:
     """silu_x: the GEMV of a gated MLP's [gate | up] equals silu_and_mul then the GEMV, bit
     for bit (16-bit dtypes, 1 row as the model runs it and 3; K off the tile sizes)."""

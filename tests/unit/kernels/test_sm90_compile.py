@@ -47,7 +47,7 @@ def _compile(fn: object, sig: dict[str, str], consts: dict[str, object], warps: 
 _I32 = "i32"
 
 
-def gemv_prologue(silu: bool, norm: int) -> None:
+def gemv_prologue(silu: bool, norm: int, flat: bool = False) -> None:
     from minisgl.kernels.gemv import _gemv_kernel
 
     sig = dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "nw_ptr"), "*bf16")
@@ -56,7 +56,7 @@ def gemv_prologue(silu: bool, norm: int) -> None:
     sig |= dict.fromkeys(ints, _I32)
     sig["eps"] = "fp32"
     consts = dict(HAS_BIAS=False, SILU_X=silu, NORM=norm, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
-                  PDL=True)  # fmt: skip
+                  FLAT=flat, PDL=True)  # fmt: skip
     _compile(_gemv_kernel, sig, consts, 4, 4)
 
 
@@ -80,6 +80,7 @@ CASES = {
     "gemv_silu": functools.partial(gemv_prologue, True, 0),
     "gemv_norm": functools.partial(gemv_prologue, False, 1),
     "gemv_add_norm": functools.partial(gemv_prologue, False, 2),
+    "gemv_add_norm_flat": functools.partial(gemv_prologue, False, 2, True),
     "fp8_moe_m16": functools.partial(fp8_moe_gemm, 16),
     "fp8_moe_m64": functools.partial(fp8_moe_gemm, 64),
 }

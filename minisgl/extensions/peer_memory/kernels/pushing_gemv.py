@@ -7,6 +7,8 @@ they are summed, so the rows travel while the GEMV's other programs still run, a
 norm kernel only polls. The product is the core GEMV's arithmetic, step for step (same
 tiles, same order of summation), so the pushed rows are the plain GEMV's bits
 (tests/unit/extensions/peer_memory/test_all_reduce_norm.py compares them); a change to one is made in both.
+Tiles with FLAT set (an untimed variant of the core GEMV, off in every default) run here
+as FLAT 0: the same products summed in another order.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def pushing_gemv(
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps, stages = tiles
+    block_m, block_n, block_k, warps, stages = tiles[:5]  # the 3-D products: FLAT 0 only
     world = lamport.bufs.numel()
     _pushing_gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, out, rows, n_cols, k_dim, x.stride(0), weight.stride(0), out.stride(0),

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from minisgl.extensions.quantization.kernels.int4_gemm import prepare
-from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels import cdiv
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -194,7 +194,7 @@ def _int4_gemv_kernel(
 # Triton's interpreter has no inline PTX: it rounds with .to() (the same values).
 _INTERPRETED = type(_int4_gemv_kernel).__name__ == "InterpretedFunction"
 
-Tiles = GemvTiles  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
+Tiles = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 
 
 # (BLOCK_N, BLOCK_K, warps, stages) for every int4 GEMV launch, BLOCK_M staying the rows'

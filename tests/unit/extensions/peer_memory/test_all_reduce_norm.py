@@ -73,7 +73,7 @@ def _run_group(
             x_in = torch.randn(rows, gemv_k, generator=g).to(dtype).to(device)
             w_in = (torch.randn(d, gemv_k, generator=g) / gemv_k**0.5).to(dtype).to(device)
             # Wide column blocks: few programs, for the interpreter's sake.
-            tiles = (1 << (rows - 1).bit_length(), 128, 64, 4, 1)
+            tiles = (1 << (rows - 1).bit_length(), 128, 64, 4, 1, 0)
             parts[rank] = gemv(x_in, w_in, tiles=tiles)
         if sentinel_row:  # a partial element with the sentinel's bits (a NaN)
             parts[rank].view(-1)[:1] = _sentinel(1, dtype, device)
