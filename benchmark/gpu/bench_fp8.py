@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--write-table", default=None)
     ap.add_argument("--gemm-few", action="store_true", help="the GEMM's 64-row tiles at <= 64 rows")
     ap.add_argument("--gemm-sweep", action="store_true", help="the GEMM's tiles from 256 rows")
+    ap.add_argument("--no-sweep", action="store_true", help="the GEMV at its default tiles only")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuBLASLt block-scaled FP8: "
           f"{cublas_block_gemm_runs(torch.device('cuda', torch.cuda.current_device()))}")  # fmt: skip
@@ -123,7 +124,7 @@ def main() -> None:
                 continue
             results = []
             want = fp8_gemv.fp8_gemv(x, *qs[0]).float()
-            for cfg in [None, *GRID]:
+            for cfg in [None, *([] if args.no_sweep else GRID)]:
                 if cfg is not None and cfg[-1] and rows > 1:
                     continue  # FLAT runs at one row only
                 tiles = None if cfg is None else (rows, *cfg)
@@ -141,7 +142,8 @@ def main() -> None:
             print(f"{name} rows {rows}: bf16 cuBLAS {t_bf:6.1f} us | FP8 GEMV default "
                   f"{t_def:6.1f} ({gb / t_def * 1e3:.2f} TB/s) | best "
                   + ", ".join(f"{t:.1f} {c}" for t, c in best))  # fmt: skip
-            table.append([rows, n, k, list(best[0][1])])
+            if best:
+                table.append([rows, n, k, list(best[0][1])])
     if args.write_table:
         Path(args.write_table).write_text(json.dumps(table))
 

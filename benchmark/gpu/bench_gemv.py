@@ -161,13 +161,15 @@ def main_int4(rows_list: list[int], shapes: dict[str, tuple[int, int]], sweep: b
 
 
 def main() -> None:
-    from minisgl.kernels.gemv import gemv, gemv_tiles
+    from minisgl.kernels.gemv import gemv, gemv_choice, gemv_tiles
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--shapes", default="", help="only shapes whose name contains this")
     ap.add_argument("--write-table", default=None)
+    ap.add_argument("--flat-sweep", action="store_true", help="one row: FLAT tiles only, weights "
+                    "the rule gives the GEMV (<= 64M values)")  # fmt: skip
     ap.add_argument("--int4", action="store_true", help="int4 GEMV vs GEMM vs bf16 cuBLAS")
     ap.add_argument("--int4-sweep", action="store_true", help="with --int4: sweep GEMV tiles")
     args = ap.parse_args()
@@ -180,6 +182,9 @@ def main() -> None:
     bf = torch.bfloat16
     table = []
     shapes = {k: v for k, v in SHAPES.items() if args.shapes in k}
+    if args.flat_sweep:
+        args.rows = [1]
+        shapes = {k: (n, kk) for k, (n, kk) in shapes.items() if n * kk <= 64 * 2**20}
     for name, (n, k) in shapes.items():
         ws = weight_copies(n, k, args.cold)
         per = len(ws)
@@ -197,11 +202,16 @@ def main() -> None:
             t_cublas = graph_time_us(rotating(base, ws)) / per
             bm = gemv_tiles(rows)[0]
             limit = 16384
-            configs = [gemv_tiles(rows)] + [
-                (bm, bn, bk, wp, st, flat)  # FLAT: one row's products in 2-D (kernels/gemv.py)
-                for bn, bk, wp, st, flat in itertools.product(
+            grid = (
+                itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1, 3), (1,))
+                if args.flat_sweep
+                else itertools.product(
                     (2, 4, 8, 16), (256, 512, 1024, 2048), (4, 8), (3, 4), (0, 1)
                 )
+            )
+            configs = [gemv_choice(rows, n, k) or gemv_tiles(rows)] + [
+                (bm, bn, bk, wp, st, flat)  # FLAT: one row's products in 2-D (kernels/gemv.py)
+                for bn, bk, wp, st, flat in grid
                 if bm * bn * bk <= limit and (rows == 1 or not flat)
             ]
             results = []
@@ -216,13 +226,14 @@ def main() -> None:
                     print(f"  {name} {cfg}: {type(e).__name__}")
                     continue
                 results.append((t, cfg))
+            t_default = results[0][0]
             results.sort()
             best_t, best_c = results[0]
             top = ", ".join(f"{c[1:]} {t:.1f}" for t, c in results[:4])
-            what = "cuBLAS"
             print(
-                f"{name:13s} M={rows}: {what} {t_cublas:6.1f} us ({gb / t_cublas * 1e3:.2f} TB/s)"
-                f" | best {best_t:6.1f} us ({gb / best_t * 1e3:.2f}) | top {top}",
+                f"{name:13s} M={rows}: cuBLAS {t_cublas:6.1f} us ({gb / t_cublas * 1e3:.2f} TB/s)"
+                f" | default {t_default:6.1f} | best {best_t:6.1f} us ({gb / best_t * 1e3:.2f})"
+                f" | top {top}",
                 flush=True,
             )
             table.append([rows, n, k, list(best_c) if best_t < 0.97 * t_cublas else None])

@@ -14,18 +14,14 @@ scales cost no work per weight:
   step multiplies its BLOCK_K activations by their block's scale instead of the BLOCK_N x
   BLOCK_K weights: (x_k s_b) q_nk = x_k (q_nk s_b).
 
-Measured on the H200 (benchmark/RESULTS.md, 2026-12-05): at the default tiles it streams only
-2.0-2.6 TB/s (8B qkv 12.3 us, o 7.7, gate_up 38.5, down 20.4; bf16 cuBLAS 15.4, 13.5, 48.1,
-29.6), so FP8 Qwen3-8B decodes at 3.64 ms/token, not the ~2.2 that the bytes allow. Likely
-too few bytes in flight (one 8 KB step per program, 64 accumulators a thread). Two variants
-are in the kernel, UNMEASURED on a GPU (checked under the interpreter only): PREFETCH
-requests the next step's weights before this step's products (what lifted the int4 GEMV),
-R > 1 sums runs of R inputs in-thread (fewer accumulators: wider tiles). FLAT (one row)
-forms the products in the weights' own 2-D layout rather than a 3-D [rows, N, K] one: its
-sm_90 SASS (Triton 3.9, 8 x 1024 tiles, 4 warps) has no byte permutes (224 PRMT before; 1,216
--> 896 instructions), leaving per weight half an e4m3-pair conversion, one f16 -> f32 and
-one FFMA (UNMEASURED on a GPU). bench_fp8.py sweeps them with the tiles and --write-table
-gives bench_latency.py their best.
+Streaming e4m3 is bound by the conversions as much as by the bytes, so the variants cut the
+instructions per weight: PREFETCH requests the next step's weights before this step's
+products; R > 1 sums runs of R inputs in-thread (fewer accumulators: wider tiles); FLAT (one
+row) forms the products in the weights' own 2-D layout rather than a 3-D [rows, N, K] one,
+which in the sm_90 SASS drops the byte permutes (benchmark/RESULTS.md, 2026-12-06). One row
+runs FLAT with R = 16 by default: the H100 sweep's best at every Qwen3-8B shape, 16-25%
+under the earlier 3-D tiles. bench_fp8.py sweeps the variants with the tiles, and
+--write-table gives bench_latency.py their best.
 """
 
 from __future__ import annotations
@@ -150,10 +146,14 @@ TABLE: dict[tuple[int, int, int], Config] = {}
 
 
 def fp8_gemv_tiles(rows: int, n_cols: int, k_dim: int) -> Tiles:
-    """The H200 sweep's best tiles at Qwen3-8B's shapes, one row (benchmark/RESULTS.md)."""
+    """The sweeps' best tiles at Qwen3-8B's shapes (benchmark/RESULTS.md): one row FLAT on
+    8 x 2048 tiles, 8 warps, runs of 16 inputs (best or within noise of it at every shape);
+    2-4 rows the 3-D products on 8 x 1024 tiles."""
     block_m = triton.next_power_of_2(max(rows, 1))
     if (rows, n_cols, k_dim) in TABLE:
         return (block_m, *TABLE[rows, n_cols, k_dim])
+    if rows == 1:
+        return 1, 8, 2048, 8, 1, 0, 16, 1
     return block_m, 8, 1024, 4, 1, 0, 1, 0
 
 
