@@ -37,14 +37,16 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr, FUSE_SILU: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, SN: tl.constexpr,
-    SK: tl.constexpr, PDL: tl.constexpr,
+    SK: tl.constexpr, SCALAR_BS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """C[pair, n] = A[pair // A_ROW_DIV] @ B[expert].T for the pairs of one aligned block.
 
     B is [E, N_total, K]; with FUSE_SILU the program also computes the "up" columns
     ``up_offset`` rows further down B and stores silu(gate) * up. With FP8, A and B are
     e4m3, BLOCK_K is the activations' group, ``a_scale`` [rows of A, K/BLOCK_K] and
-    ``b_scale`` [E, N_total/SN, K/SK] float32 (contiguous along K).
+    ``b_scale`` [E, N_total/SN, K/SK] float32 (contiguous along K). SCALAR_BS: the program's
+    columns (and their up rows) lie in one row of scale blocks, so a K step scales the dot by
+    one [BLOCK_M] vector (a multiply-add per output) rather than two [BLOCK_M, BLOCK_N] ones.
     """
     pdl_wait(PDL)
     # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N
@@ -72,8 +74,12 @@ def _moe_gemm_kernel(
     # FP8 scales (dead code otherwise): the rows' per-group activation scales, the columns'
     # weight scales (gate and up rows each read their own block row).
     as_ptrs = a_scale_ptr + a_row * stride_asm
-    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_n // SN) * stride_bsn
-    bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((offs_n + up_offset) // SN) * stride_bsn
+    if SCALAR_BS:
+        offs_bs = pid_n * BLOCK_N  # a scalar: one scale a K step
+    else:
+        offs_bs = offs_n
+    bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_bs // SN) * stride_bsn
+    bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((offs_bs + up_offset) // SN) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # dead code unless FUSE_SILU
     for k0 in range(0, k_dim, BLOCK_K):
@@ -85,8 +91,12 @@ def _moe_gemm_kernel(
             b = b.to(tl.float32)
         if FP8:
             a_s = tl.load(as_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
-            b_s = tl.load(bs_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
-            acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * b_s
+            if SCALAR_BS:
+                b_s = tl.load(bs_ptrs + k0 // SK)
+                acc += tl.dot(a, b, input_precision=DOT_PREC) * (a_s * b_s)
+            else:
+                b_s = tl.load(bs_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
+                acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * b_s
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         if FUSE_SILU:
@@ -96,8 +106,12 @@ def _moe_gemm_kernel(
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if FP8:
-                b_up_s = tl.load(bs_up_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
-                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * b_up_s
+                if SCALAR_BS:
+                    b_up_s = tl.load(bs_up_ptrs + k0 // SK)
+                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * (a_s * b_up_s)
+                else:
+                    b_up_s = tl.load(bs_up_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
+                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * b_up_s
             else:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
@@ -215,10 +229,12 @@ def _launch_gemm(
     # Triton's interpreter multiplies the raw bits of bf16 tl.dot operands: upcast there.
     upcast = _INTERPRETED and a.dtype != torch.float32
     sn = sk = 1  # unused without scales
+    scalar_bs = False
     if scales is not None:
         sn, sk = b.shape[1] // scales.b.shape[1], k_dim // scales.b.shape[2]
         assert k_dim % block_k == 0 and sk % block_k == 0, (k_dim, sk)
         assert scales.a.stride(1) == 1 and scales.b.stride(2) == 1  # the kernel steps K by 1
+        scalar_bs = sn % block_n == 0 and (not fuse_silu or n_out % sn == 0)
     a_s, b_s = scales if scales is not None else (c, c)
     _moe_gemm_kernel[grid](
         a, b, c, weights if weights is not None else c, a_s, b_s,
@@ -229,7 +245,8 @@ def _launch_gemm(
         A_ROW_DIV=a_row_div, FUSE_SILU=fuse_silu, MUL_WEIGHT=weights is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
         DOT_PREC="ieee" if upcast or a.dtype == torch.float32 else "tf32", UPCAST=upcast,
-        FP8=scales is not None, SN=sn, SK=sk, num_warps=4, num_stages=stages, **pdl_args(),
+        FP8=scales is not None, SN=sn, SK=sk, SCALAR_BS=scalar_bs, num_warps=4,
+        num_stages=stages, **pdl_args(),
     )  # fmt: skip
 
 

@@ -60,9 +60,14 @@ def quantize_groups(
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_om, stride_ws,
-    SN: tl.constexpr, SK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    SN: tl.constexpr, SK: tl.constexpr, WS_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    # WS_MODE (how the weight scales join, cheapest first): 2, one scale per row over all of K
+    # (per-channel): applied once after the loop; 1, the program's columns lie in one row of
+    # scale blocks: a K step scales its dot by one [BLOCK_M] vector, a multiply-add per output;
+    # 0, otherwise: by the [BLOCK_M, BLOCK_N] outer product of both scales.
     # Programs of GROUP_M consecutive row tiles share their column tiles (L2 reuse of W).
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(rows, BLOCK_M)
@@ -81,16 +86,24 @@ def _fp8_gemm_kernel(
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * k_dim + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + offs_m * groups
     ws_ptrs = ws_ptr + (offs_n // SN) * stride_ws
+    ws_block = ws_ptr + (pid_n * BLOCK_N // SN) * stride_ws  # WS_MODE 1: the block row
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for g in range(0, groups):
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
         a_s = tl.load(as_ptrs + g, mask=m_mask, other=0.0)
-        w_s = tl.load(ws_ptrs + g * BLOCK_K // SK, mask=n_mask, other=0.0)
-        acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        if WS_MODE == 2:
+            acc += tl.dot(a, w) * a_s[:, None]
+        elif WS_MODE == 1:
+            acc += tl.dot(a, w) * (a_s * tl.load(ws_block + g * BLOCK_K // SK))[:, None]
+        else:
+            w_s = tl.load(ws_ptrs + g * BLOCK_K // SK, mask=n_mask, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if WS_MODE == 2:
+        acc *= tl.load(ws_ptrs, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     dst = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
@@ -128,10 +141,11 @@ def fp8_gemm(
         return out
     q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous())
     block_m, block_n, warps, stages = tiles or fp8_gemm_tiles(rows)
+    ws_mode = 2 if sk == k_dim else (1 if sn % block_n == 0 else 0)
     grid = (cdiv(rows, block_m) * cdiv(n_cols, block_n),)
     _fp8_gemm_kernel[grid](
         q, qs, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
-        out.stride(0), scales.stride(0), SN=sn, SK=sk, HAS_BIAS=bias is not None,
+        out.stride(0), scales.stride(0), SN=sn, SK=sk, WS_MODE=ws_mode, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, GROUP_M=8, num_warps=warps,
         num_stages=stages, **pdl_args(),
     )  # fmt: skip
@@ -141,8 +155,22 @@ def fp8_gemm(
 def cublas_fp8_gemm(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`fp8_gemm` on cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm: activations in
-    1 x 128 groups, weights in 128 x 128 blocks, ``scales`` [N/128, K/128]; CUDA >= 12.9 on
-    Hopper): the same quantized operands, cuBLAS's tiles and pipelining."""
+    """`fp8_gemm` on cuBLASLt's block-scaled FP8 GEMM (activations in 1 x 128 groups, weights
+    in 128 x 128 blocks, ``scales`` [N/128, K/128]; CUDA >= 12.9 on Hopper): the same quantized
+    operands, cuBLAS's tiles and pipelining. torch.nn.functional.scaled_mm names the recipes;
+    torch._scaled_mm (older torch) infers them from the scales' shapes."""
     q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), column_major=True)
-    return torch._scaled_mm(q, weight.t(), qs, scales.t(), bias=bias, out_dtype=x.dtype)
+    f = torch.nn.functional
+    if hasattr(f, "scaled_mm"):
+        out = f.scaled_mm(
+            q,
+            weight.t(),
+            qs,
+            f.ScalingType.BlockWise1x128,
+            scales.t(),
+            f.ScalingType.BlockWise128x128,
+            output_dtype=x.dtype,
+        )
+    else:
+        out = torch._scaled_mm(q, weight.t(), qs, scales.t(), out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)  # the bias outside: not every recipe takes one
