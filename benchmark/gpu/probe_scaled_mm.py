@@ -3,8 +3,8 @@ our FP8 GEMV / W8A8 GEMM and bf16 cuBLAS, at Qwen3-8B's linear shapes, cold, in 
 
     python benchmark/gpu/probe_scaled_mm.py [--rows 1 4 16 64 256 2048]
 
-Checks each scale layout torch may want against the dequantized reference first and times
-the ones that are right. A probe for issue 28: is the library's kernel the faster path?
+Checks each route (torch._scaled_mm inferring the recipes, torch.nn.functional.scaled_mm
+naming them) against the dequantized reference first and times the ones that are right. A probe for issue 28: is the library's kernel the faster path?
 """
 
 from __future__ import annotations
@@ -22,27 +22,49 @@ from benchmark.gpu.bench_fp8 import fp8_copies  # noqa: E402
 from benchmark.gpu.bench_gemv import L2_BYTES, SHAPES, graph_time_us, rotating  # noqa: E402
 from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv  # noqa: E402
 
-Layout = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-LAYOUTS: dict[str, Layout] = {
-    # (activation scales [M, K/128], weight scales [N/128, K/128]) -> what _scaled_mm takes
-    "a M-major, b K/128 x N/128 view": lambda sa, sb: (sa.t().contiguous().t(), sb.t()),
-    "a M-major, b contiguous K/128 x N/128": lambda sa, sb: (
-        sa.t().contiguous().t(),
-        sb.t().contiguous(),
-    ),
-    "a row-major, b view": lambda sa, sb: (sa, sb.t()),
-    # Diagnostics (session 19: the first layout ran but fp8_cuda's probe rejected its result):
-    # which scale cuBLAS misreads shows in how far each of these lands from the reference.
-    "a ones": lambda sa, sb: (torch.ones_like(sa).t().contiguous().t(), sb.t()),
-    "b ones": lambda sa, sb: (sa.t().contiguous().t(), torch.ones_like(sb).t()),
-    "reciprocals": lambda sa, sb: ((1 / sa).t().contiguous().t(), (1 / sb).t()),
-}
+Route = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def scaled_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, layout: Layout) -> torch.Tensor:
+def _legacy(xq: torch.Tensor, sa: torch.Tensor, q: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+    # torch._scaled_mm infers the recipes from the scales' shapes (session 20: wrong results)
+    return torch._scaled_mm(xq, q.t(), sa.t().contiguous().t(), sb.t(), out_dtype=torch.bfloat16)
+
+
+def _explicit(
+    xq: torch.Tensor, sa: torch.Tensor, q: torch.Tensor, sb: torch.Tensor
+) -> torch.Tensor:
+    # torch.nn.functional.scaled_mm (torch >= 2.10) with the recipes named, as torch's own
+    # block-wise tests call it: a's scales outer-dim-major, b's the [K/128, N/128] view.
+    f = torch.nn.functional
+    return f.scaled_mm(xq, q.t(), sa.t().contiguous().t(), f.ScalingType.BlockWise1x128,
+                       sb.t(), f.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)  # fmt: skip
+
+
+ROUTES: dict[str, Route] = {"_scaled_mm (inferred)": _legacy}
+if hasattr(torch.nn.functional, "scaled_mm"):
+    ROUTES["F.scaled_mm (explicit recipes)"] = _explicit
+
+
+def self_test() -> None:
+    """torch's own block-wise test convention at a small shape: is this build's kernel right?"""
+    m, n, k = 256, 768, 512
+    x = torch.randn(m, k, device="cuda")
+    y = torch.randn(n, k, device="cuda") * 1e-3
     xq, xs = fp8_gemm.quantize_groups(x)
-    sa, sb = layout(xs, s)
-    return torch._scaled_mm(xq, q.t(), sa, sb, out_dtype=torch.bfloat16)
+    yb = y.view(n // 128, 128, k // 128, 128)
+    ys = yb.abs().amax(dim=(1, 3)) / 448.0
+    yq = (yb / ys[:, None, :, None]).view(n, k).to(torch.float8_e4m3fn)
+    deq_x = (xq.float().view(m, -1, 128) * xs[..., None]).view(m, k)
+    deq_y = (yq.float().view(n // 128, 128, k // 128, 128) * ys[:, None, :, None]).view(n, k)
+    want = deq_x @ deq_y.T
+    for label, route in ROUTES.items():
+        try:
+            got = route(xq, xs, yq, ys).float()
+            err = float((got - want).abs().max() / want.abs().max())
+            cos = float(torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0))
+            print(f"self-test {label}: max rel err {err:.4f}, cosine {cos:.5f}", flush=True)
+        except Exception as e:
+            print(f"self-test {label}: {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
 def probe_shape(name: str, rows_list: list[int]) -> None:
@@ -62,14 +84,14 @@ def probe_shape(name: str, rows_list: list[int]) -> None:
         ours_fn = fp8_gemv.fp8_gemv if rows <= fp8_gemv.MAX_ROWS else fp8_gemm.fp8_gemm
         t_ours = graph_time_us(rotating(lambda q, x=x, f=ours_fn: f(x, *q), qs)) / copies
         line = f"{name} rows {rows}: bf16 {t_bf:7.1f} | ours {t_ours:7.1f} us"
-        for label, layout in LAYOUTS.items():
+        for label, route in ROUTES.items():
             try:
-                got = scaled_mm(x, q0, s0, layout).float()
+                got = route(xq, xs, q0, s0).float()
                 err = float((got - want).abs().max() / want.abs().max())
                 if err > 2e-2:
                     line += f" | {label}: WRONG ({err:.3f})"
                     continue
-                run = rotating(lambda q, x=x, lay=layout: scaled_mm(x, *q, lay), qs)
+                run = rotating(lambda q, x=x, f=route: f(*fp8_gemm.quantize_groups(x), *q), qs)
                 t = graph_time_us(run) / copies
                 line += f" | {label}: {t:7.1f} us ({gb / t * 1e3:.2f} TB/s)"
             except Exception as e:  # a layout or row count the library refuses
@@ -82,6 +104,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
     args = ap.parse_args()
     print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
+    self_test()
     for name in ("8B qkv", "8B o", "8B gate_up", "8B down"):
         probe_shape(name, args.rows)
 
