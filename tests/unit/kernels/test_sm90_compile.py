@@ -60,7 +60,7 @@ def gemv_prologue(silu: bool, norm: int, flat: bool = False) -> None:
     _compile(_gemv_kernel, sig, consts, 4, 4)
 
 
-def fp8_moe_gemm(block_m: int) -> None:
+def fp8_moe_gemm(block_m: int, scalar_bs: bool) -> None:
     from minisgl.kernels.moe import _moe_gemm_kernel
 
     sig = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "c_ptr": "*bf16", "weight_ptr": "*bf16",
@@ -72,8 +72,20 @@ def fp8_moe_gemm(block_m: int) -> None:
     sig |= dict.fromkeys(ints, _I32)
     consts = dict(A_ROW_DIV=8, FUSE_SILU=True, MUL_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=64,
                   BLOCK_K=128, GROUP_M=8, DOT_PREC="tf32", UPCAST=False, FP8=True, SN=128,
-                  SK=128, PDL=True)  # fmt: skip
+                  SK=128, SCALAR_BS=scalar_bs, PDL=True)  # fmt: skip
     _compile(_moe_gemm_kernel, sig, consts, 4, 3)
+
+
+def fp8_gemm(ws_mode: int) -> None:
+    from minisgl.extensions.quantization.kernels.fp8_gemm import _fp8_gemm_kernel
+
+    sig = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+           "b_ptr": "*bf16", "out_ptr": "*bf16"}  # fmt: skip
+    sig |= dict.fromkeys(("rows", "n_cols", "k_dim", "stride_om", "stride_ws"), _I32)
+    sn, sk = (1, 4096) if ws_mode == 2 else (128, 128)
+    consts = dict(SN=sn, SK=sk, WS_MODE=ws_mode, HAS_BIAS=False, BLOCK_M=128, BLOCK_N=128,
+                  BLOCK_K=128, GROUP_M=8, PDL=True)  # fmt: skip
+    _compile(_fp8_gemm_kernel, sig, consts, 8, 3)
 
 
 CASES = {
@@ -81,8 +93,12 @@ CASES = {
     "gemv_norm": functools.partial(gemv_prologue, False, 1),
     "gemv_add_norm": functools.partial(gemv_prologue, False, 2),
     "gemv_add_norm_flat": functools.partial(gemv_prologue, False, 2, True),
-    "fp8_moe_m16": functools.partial(fp8_moe_gemm, 16),
-    "fp8_moe_m64": functools.partial(fp8_moe_gemm, 64),
+    "fp8_moe_m16": functools.partial(fp8_moe_gemm, 16, True),
+    "fp8_moe_m64": functools.partial(fp8_moe_gemm, 64, True),
+    "fp8_moe_m64_vector_scales": functools.partial(fp8_moe_gemm, 64, False),
+    "fp8_gemm_outer_scales": functools.partial(fp8_gemm, 0),
+    "fp8_gemm_block_scales": functools.partial(fp8_gemm, 1),
+    "fp8_gemm_row_scales": functools.partial(fp8_gemm, 2),
 }
 
 
