@@ -14,8 +14,9 @@ timeout 80 python3 benchmark/gpu/probe_scaled_mm.py --rows 2048 8192 > $OUT/prob
 cut -c1-700 $OUT/probe.log | tail -16
 t "W8A8 GEMM (old ./old, new: one scale multiply-add a K step) and cuBLAS, 256-8192 rows"
 for d in old .; do
-  (cd $d && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout 70 python3 benchmark/gpu/bench_fp8.py --rows \
-    --gemm-rows 256 2048 8192 2>&1 | grep -E "GEMM|cuBLASLt|Error" | cut -c1-260)
+  rows="256 2048 8192"; [ $d = . ] && rows="16 64 $rows"
+  (cd $d && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout 80 python3 benchmark/gpu/bench_fp8.py --rows \
+    --gemm-rows $rows 2>&1 | grep -E "GEMM|cuBLASLt|Error" | cut -c1-260)
 done
 t "fp8 gemv default vs 64-row GEMM, one row"
 timeout 90 python3 benchmark/gpu/bench_fp8.py --rows 1 --gemm-rows --gemm-few --no-sweep \
