@@ -11,9 +11,9 @@ and a torch sum over top_k combines the pairs. Nothing reads a device value on t
 decode steps can be captured in CUDA graphs: launch grids are sized from the worst-case
 padding (a function of T alone) and blocks past the real padded length exit at once.
 
-The same kernel multiplies FP8 operands (constexpr ``FP8``; `fused_moe` given `ExpertScales`
-by the quantization extension's kernels/fp8_moe.py): e4m3 A and B, one K step per 128-input
-group, each step's dot scaled by its rows' activation scales and its columns' weight scales.
+The same kernel multiplies FP8 operands (``FP8``; `ExpertScales` from the quantization
+extension): e4m3 A and B, one K step per 128-input group, each step's dot scaled by its rows'
+activation scales and its columns' weight scales.
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.pdl import pdl_args, pdl_wait
+
+
+@triton.jit
+def _b_scales(ptrs, n_ok, SCALAR: tl.constexpr):
+    """A K step's weight scales: one (SCALAR) or the columns' [1, BLOCK_N]."""
+    return tl.load(ptrs) if SCALAR else tl.load(ptrs, mask=n_ok, other=0.0)[None, :]
 
 
 # Pair and tile counts change every batch: not specialised, so no mid-run compiles.
@@ -44,9 +50,8 @@ def _moe_gemm_kernel(
     B is [E, N_total, K]; with FUSE_SILU the program also computes the "up" columns
     ``up_offset`` rows further down B and stores silu(gate) * up. With FP8, A and B are
     e4m3, BLOCK_K is the activations' group, ``a_scale`` [rows of A, K/BLOCK_K] and
-    ``b_scale`` [E, N_total/SN, K/SK] float32 (contiguous along K). SCALAR_BS: the program's
-    columns (and their up rows) lie in one row of scale blocks, so a K step scales the dot by
-    one [BLOCK_M] vector (a multiply-add per output) rather than two [BLOCK_M, BLOCK_N] ones.
+    ``b_scale`` [E, N_total/SN, K/SK] float32 (contiguous along K). SCALAR_BS: the columns (and
+    up rows) share one block row, so a K step's scaling is one multiply-add per output.
     """
     pdl_wait(PDL)
     # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N
@@ -74,10 +79,7 @@ def _moe_gemm_kernel(
     # FP8 scales (dead code otherwise): the rows' per-group activation scales, the columns'
     # weight scales (gate and up rows each read their own block row).
     as_ptrs = a_scale_ptr + a_row * stride_asm
-    if SCALAR_BS:
-        offs_bs = pid_n * BLOCK_N  # a scalar: one scale a K step
-    else:
-        offs_bs = offs_n
+    offs_bs = pid_n * BLOCK_N if SCALAR_BS else offs_n
     bs_ptrs = b_scale_ptr + expert * stride_bse + (offs_bs // SN) * stride_bsn
     bs_up_ptrs = b_scale_ptr + expert * stride_bse + ((offs_bs + up_offset) // SN) * stride_bsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -91,12 +93,8 @@ def _moe_gemm_kernel(
             b = b.to(tl.float32)
         if FP8:
             a_s = tl.load(as_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
-            if SCALAR_BS:
-                b_s = tl.load(bs_ptrs + k0 // SK)
-                acc += tl.dot(a, b, input_precision=DOT_PREC) * (a_s * b_s)
-            else:
-                b_s = tl.load(bs_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
-                acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * b_s
+            s = a_s * _b_scales(bs_ptrs + k0 // SK, n_ok, SCALAR_BS)
+            acc += tl.dot(a, b, input_precision=DOT_PREC) * s
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         if FUSE_SILU:
@@ -106,12 +104,8 @@ def _moe_gemm_kernel(
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if FP8:
-                if SCALAR_BS:
-                    b_up_s = tl.load(bs_up_ptrs + k0 // SK)
-                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * (a_s * b_up_s)
-                else:
-                    b_up_s = tl.load(bs_up_ptrs + k0 // SK, mask=n_ok, other=0.0)[None, :]
-                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * b_up_s
+                s_up = a_s * _b_scales(bs_up_ptrs + k0 // SK, n_ok, SCALAR_BS)
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * s_up
             else:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
@@ -182,15 +176,12 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     # Expected pairs per expert decides how much of a block is padding: small blocks for
     # decode (a handful of tokens per expert), larger ones for prefill.
     per_expert = num_pairs / num_experts
-    if per_expert <= 16:
-        return 16
-    return 32 if per_expert <= 64 else 64
+    return 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
 
 
 class GemmScales(NamedTuple):
-    """The scales of FP8 operands of `_launch_gemm`: ``a`` float32 [rows of A, K/128]
-    (one per token and 128 inputs), ``b`` float32 [E, N_total/SN, K/SK] (one per SN rows and
-    SK inputs of an expert's weight; SK a multiple of 128, both contiguous along K)."""
+    """FP8 operands' scales for `_launch_gemm`: ``a`` float32 [rows of A, K/128], ``b`` float32
+    [E, N_total/SN, K/SK] (SN rows x SK inputs of an expert's weight), contiguous along K."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -228,8 +219,7 @@ def _launch_gemm(
     # fp32 would otherwise run on TF32 tensor cores (~1e-3 error); 16-bit ignores the flag.
     # Triton's interpreter multiplies the raw bits of bf16 tl.dot operands: upcast there.
     upcast = _INTERPRETED and a.dtype != torch.float32
-    sn = sk = 1  # unused without scales
-    scalar_bs = False
+    sn, sk, scalar_bs = 1, 1, False  # unused without scales
     if scales is not None:
         sn, sk = b.shape[1] // scales.b.shape[1], k_dim // scales.b.shape[2]
         assert k_dim % block_k == 0 and sk % block_k == 0, (k_dim, sk)
@@ -252,8 +242,7 @@ def _launch_gemm(
 
 class ExpertScales(NamedTuple):
     """FP8 experts for `fused_moe_stages`: the weights' scale grids (`GemmScales`'s ``b``) and
-    the activation quantizer (x [rows, K] -> e4m3 [rows, K], float32 scales [rows, K/128]),
-    which the quantization extension provides."""
+    the extension's activation quantizer (x [rows, K] -> e4m3, float32 scales [rows, K/128])."""
 
     w13: torch.Tensor
     w2: torch.Tensor
