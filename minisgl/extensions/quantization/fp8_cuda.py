@@ -53,7 +53,7 @@ def _probe_cublas(device: torch.device) -> bool:
         s = torch.rand(n // GROUP, k // GROUP, device=device, generator=g) + 0.5
         try:
             got = fp8_gemm.cublas_fp8_gemm(x, w, s).float()
-        except (RuntimeError, NotImplementedError):  # this build's _scaled_mm lacks the recipe
+        except Exception:  # noqa: BLE001 - any failure (recipe, layout, signature): not this route
             return False
         want = fp8_gemm.fp8_gemm(x, w, s).float()
         if not torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
