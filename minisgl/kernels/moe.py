@@ -29,8 +29,8 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _b_scales(ptrs, n_ok, SCALAR: tl.constexpr):
-    """A K step's weight scales: one (SCALAR) or the columns' [1, BLOCK_N]."""
+def step_weight_scales(ptrs, n_ok, SCALAR: tl.constexpr):
+    """A K step's weight scales (here and in the W8A8 GEMM): one, or the columns' [1, BLOCK_N]."""
     return tl.load(ptrs) if SCALAR else tl.load(ptrs, mask=n_ok, other=0.0)[None, :]
 
 
@@ -93,7 +93,7 @@ def _moe_gemm_kernel(
             b = b.to(tl.float32)
         if FP8:
             a_s = tl.load(as_ptrs + k0 // BLOCK_K, mask=row_ok, other=0.0)[:, None]
-            s = a_s * _b_scales(bs_ptrs + k0 // SK, n_ok, SCALAR_BS)
+            s = a_s * step_weight_scales(bs_ptrs + k0 // SK, n_ok, SCALAR_BS)
             acc += tl.dot(a, b, input_precision=DOT_PREC) * s
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
@@ -104,7 +104,7 @@ def _moe_gemm_kernel(
             if UPCAST:
                 b_up = b_up.to(tl.float32)
             if FP8:
-                s_up = a_s * _b_scales(bs_up_ptrs + k0 // SK, n_ok, SCALAR_BS)
+                s_up = a_s * step_weight_scales(bs_up_ptrs + k0 // SK, n_ok, SCALAR_BS)
                 acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * s_up
             else:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)

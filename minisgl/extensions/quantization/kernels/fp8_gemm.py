@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
+from minisgl.kernels.moe import step_weight_scales
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 GROUP = 128
@@ -85,21 +86,16 @@ def _fp8_gemm_kernel(
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * k_dim + offs_k[None, :]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * k_dim + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     as_ptrs = as_ptr + offs_m * groups
-    ws_ptrs = ws_ptr + (offs_n // SN) * stride_ws
-    ws_block = ws_ptr + (pid_n * BLOCK_N // SN) * stride_ws  # WS_MODE 1: the block row
+    ws_ptrs = ws_ptr + ((pid_n * BLOCK_N if WS_MODE == 1 else offs_n) // SN) * stride_ws
     pdl_wait(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for g in range(0, groups):
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-        a_s = tl.load(as_ptrs + g, mask=m_mask, other=0.0)
-        if WS_MODE == 2:
-            acc += tl.dot(a, w) * a_s[:, None]
-        elif WS_MODE == 1:
-            acc += tl.dot(a, w) * (a_s * tl.load(ws_block + g * BLOCK_K // SK))[:, None]
-        else:
-            w_s = tl.load(ws_ptrs + g * BLOCK_K // SK, mask=n_mask, other=0.0)
-            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        s = tl.load(as_ptrs + g, mask=m_mask, other=0.0)[:, None]
+        if WS_MODE != 2:  # per-row scales join after the loop
+            s = s * step_weight_scales(ws_ptrs + g * BLOCK_K // SK, n_mask, WS_MODE == 1)
+        acc += tl.dot(a, w) * s
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if WS_MODE == 2:
@@ -157,20 +153,11 @@ def cublas_fp8_gemm(
 ) -> torch.Tensor:
     """`fp8_gemm` on cuBLASLt's block-scaled FP8 GEMM (activations in 1 x 128 groups, weights
     in 128 x 128 blocks, ``scales`` [N/128, K/128]; CUDA >= 12.9 on Hopper): the same quantized
-    operands, cuBLAS's tiles and pipelining. torch.nn.functional.scaled_mm names the recipes;
-    torch._scaled_mm (older torch) infers them from the scales' shapes."""
+    operands, cuBLAS's tiles and pipelining. The recipes are named (torch.nn.functional.
+    scaled_mm): torch._scaled_mm, which infers them from the scales' shapes, got this product
+    wrong on an H100 (benchmark/RESULTS.md, 2026-12-06)."""
     q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), column_major=True)
     f = torch.nn.functional
-    if hasattr(f, "scaled_mm"):
-        out = f.scaled_mm(
-            q,
-            weight.t(),
-            qs,
-            f.ScalingType.BlockWise1x128,
-            scales.t(),
-            f.ScalingType.BlockWise128x128,
-            output_dtype=x.dtype,
-        )
-    else:
-        out = torch._scaled_mm(q, weight.t(), qs, scales.t(), out_dtype=x.dtype)
+    out = f.scaled_mm(q, weight.t(), qs, f.ScalingType.BlockWise1x128, scales.t(),
+                      f.ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
     return out if bias is None else out.add_(bias)  # the bias outside: not every recipe takes one
