@@ -80,6 +80,18 @@ def cublas_column(x: torch.Tensor, qs: list[tuple[torch.Tensor, torch.Tensor]]) 
     return f", cuBLASLt block FP8 {t:7.1f} (max diff {err:.1e} of max)"
 
 
+def silu_column(rows: int, k: int, qs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """The down projection from the gated MLP's [gate | up]: SiLU-and-mul's own kernel, then
+    the product, against the product computing it on the way in (``silu_x``)."""
+    from minisgl.kernels.activation import silu_and_mul
+
+    gu = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
+    fn = fp8_gemv.fp8_gemv if rows <= fp8_gemv.MAX_ROWS else fp8_gemm.fp8_gemm
+    two = graph_time_us(rotating(lambda q: fn(silu_and_mul(gu), *q), qs)) / len(qs)
+    fused = graph_time_us(rotating(lambda q: fn(gu, *q, silu_x=True), qs)) / len(qs)
+    return f" | silu-mul + product {two:.1f} us, fused {fused:.1f} us"
+
+
 def fp8_copies(n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator(device="cuda").manual_seed(n + k)
     out = []
@@ -97,6 +109,7 @@ def main() -> None:
     ap.add_argument("--gemm-few", action="store_true", help="the GEMM's 64-row tiles at <= 64 rows")
     ap.add_argument("--gemm-sweep", action="store_true", help="the GEMM's tiles from 256 rows")
     ap.add_argument("--no-sweep", action="store_true", help="the GEMV at its default tiles only")
+    ap.add_argument("--silu", action="store_true", help="down: SiLU-and-mul fused on the way in")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, cuBLASLt block-scaled FP8: "
           f"{cublas_block_gemm_runs(torch.device('cuda', torch.cuda.current_device()))}")  # fmt: skip
@@ -119,7 +132,8 @@ def main() -> None:
                 t = graph_time_us(rotating(lambda q, x=x: fp8_gemm.fp8_gemm(x, *q), qs)) / copies
                 print(f"{name} rows {rows}: GEMM {t:7.1f} us vs bf16 cuBLAS {t_bf:7.1f}"
                       + cublas_column(x, qs)
-                      + (gemm_tiles_column(x, qs) if args.gemm_sweep and rows >= 256 else ""),
+                      + (gemm_tiles_column(x, qs) if args.gemm_sweep and rows >= 256 else "")
+                      + (silu_column(rows, k, qs) if args.silu and name == "8B down" else ""),
                       flush=True)  # fmt: skip
                 continue
             results = []
@@ -141,7 +155,8 @@ def main() -> None:
             best = sorted(results[1:])[:4]
             print(f"{name} rows {rows}: bf16 cuBLAS {t_bf:6.1f} us | FP8 GEMV default "
                   f"{t_def:6.1f} ({gb / t_def * 1e3:.2f} TB/s) | best "
-                  + ", ".join(f"{t:.1f} {c}" for t, c in best))  # fmt: skip
+                  + ", ".join(f"{t:.1f} {c}" for t, c in best)
+                  + (silu_column(rows, k, qs) if args.silu and name == "8B down" else ""))  # fmt: skip
             if best:
                 table.append([rows, n, k, list(best[0][1])])
     if args.write_table:

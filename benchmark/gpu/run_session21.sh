@@ -3,7 +3,8 @@
 # (torch.nn.functional.scaled_mm) beside the inferred ones that disagreed; the W8A8 GEMM old
 # (./old) vs new (one scale multiply-add a K step); the FP8 GEMV's new one-row default (FLAT,
 # R 16) against the W8A8 GEMM's 64-row tiles at one row; Qwen3-8B-FP8 batch 1 old vs new; the
-# GPU suite. Run from the repo root on the device (OUT: a results folder).
+# GPU suite; SiLU-and-mul fused into the FP8 down projection (GEMV and quantizer) vs its own
+# kernel. Run from the repo root on the device (OUT: a results folder).
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:$PYTHONPATH
 T0=$SECONDS
@@ -16,10 +17,10 @@ t "W8A8 GEMM (old, new) and cuBLAS"
 for d in old .; do
   rows="256 2048"; [ $d = . ] && rows="16 64 $rows"
   (cd $d && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout 70 python3 benchmark/gpu/bench_fp8.py --rows \
-    --gemm-rows $rows 2>&1 | grep -E "GEMM|cuBLASLt|Error" | cut -c1-260)
+    --gemm-rows $rows $([ $d = . ] && echo --silu) 2>&1 | grep -E "GEMM|cuBLASLt|Error" | cut -c1-260)
 done
 t "fp8 gemv default vs 64-row GEMM, one row"
-timeout 60 python3 benchmark/gpu/bench_fp8.py --rows 1 --gemm-rows --gemm-few --no-sweep \
+timeout 60 python3 benchmark/gpu/bench_fp8.py --rows 1 --gemm-rows --gemm-few --no-sweep --silu \
   > $OUT/fp8.log 2>&1
 grep -E "rows 1|Error" $OUT/fp8.log | cut -c1-300
 lat() {  # dir model [args]
@@ -30,6 +31,7 @@ lat() {  # dir model [args]
 if [ -z "$LEAN" ]; then  # LEAN=1: a short call keeps the suite
   t "8B-FP8 batch 1, old / new"
   echo "old $(lat old Qwen3-8B-FP8)"; echo "new $(lat . Qwen3-8B-FP8)"
+  echo "new, fused_silu_down $(lat . Qwen3-8B-FP8 --engine-arg fused_silu_down=true)"
 fi
 t "GPU suite"
 timeout $((${END:-570} - (SECONDS - T0))) python3 -m pytest -q -m gpu -n 4 --dist loadfile -o addopts="" \

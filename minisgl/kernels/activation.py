@@ -14,6 +14,16 @@ _MAX_BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in ``dtype`` with the torch reference's two roundings: silu(gate) is
+    rounded to ``dtype`` before the multiply. x / (1 + exp(-x)) is torch's own formula for
+    silu. Every kernel that takes a gated MLP's [gate | up] computes it here (the same bits)."""
+    gate = gate.to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, inter, stride_xt, stride_ot, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -23,12 +33,9 @@ def _silu_and_mul_kernel(
     mask = cols < inter
     dtype = x_ptr.dtype.element_ty
     row = x_ptr + tok * stride_xt
-    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(row + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # Two roundings, like the torch reference: silu(gate) is rounded to the input dtype
-    # before the multiply. x / (1 + exp(-x)) is torch's own formula for silu.
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + tok * stride_ot + cols, (act * up).to(dtype), mask=mask)
+    gate = tl.load(row + cols, mask=mask, other=0.0)
+    up = tl.load(row + inter + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + tok * stride_ot + cols, silu_mul(gate, up, dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import GemvTiles, cdiv
+from minisgl.kernels.activation import silu_mul
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -43,10 +44,8 @@ def _x_tile(x_ptr, res_ptr, nw_ptr, offs_m, kk, mask, stride_xm, stride_rm, k_di
     ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
     dtype = x_ptr.dtype.element_ty
     if SILU_X:
-        gate = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(ptrs + k_dim, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        return (act * up).to(dtype)
+        gate = tl.load(ptrs, mask=mask, other=0.0)
+        return silu_mul(gate, tl.load(ptrs + k_dim, mask=mask, other=0.0), dtype)
     x = tl.load(ptrs, mask=mask, other=0.0)
     if NORM:
         if NORM == 2:

@@ -17,7 +17,7 @@ from minisgl.distributed import TPInfo, all_reduce
 from minisgl.distributed.reducer import active_reducer
 from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import gemv_add_rms_norm, gemv_silu_mul, linear
-from minisgl.layers.quantization import QuantMethod
+from minisgl.layers.quantization import QuantMethod, SiluMulQuantMethod
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
@@ -31,6 +31,7 @@ class ShardedLinear(nn.Module):
     cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
     gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
     weight: nn.Parameter  # float checkpoints, and quantized ones once made float
+    silu_quant: SiluMulQuantMethod | None = None  # self.quant where it fuses SiLU-and-mul
 
     def __init__(self, tp: TPInfo, quant: QuantMethod | None) -> None:
         super().__init__()
@@ -51,6 +52,8 @@ class ShardedLinear(nn.Module):
         """Called once the checkpoint is loaded (models/loader.py)."""
         if self.quant is not None and not self.quant.finish_loading(self, dtype):
             self.quant = None
+        # Checked once: a runtime protocol check costs microseconds per layer and step.
+        self.silu_quant = self.quant if isinstance(self.quant, SiluMulQuantMethod) else None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
@@ -189,11 +192,19 @@ class RowParallelLinear(ShardedLinear):
             return pushed
         return self._finish(self._product(x, None), reduce)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor | None:
-        """forward(silu(gate) * up) for one row of a gated MLP's [gate | up], the activation
-        computed inside the batch-1 GEMV (no kernel of its own; the same bits); None where
-        that GEMV does not run this layer (then the caller runs the two steps)."""
-        if self.quant is not None or self.gemv_tiles is None or gate_up.shape[0] != 1:
+    def forward_silu_mul(
+        self, gate_up: torch.Tensor, reduce: bool = True, in_gemv: bool = False
+    ) -> torch.Tensor | None:
+        """forward(silu(gate) * up) from a gated MLP's [gate | up], the activation computed
+        by the kernel that reads x (the same bits): a quantized method's (SiluMulQuantMethod),
+        or, ``in_gemv`` (the engine's fused_silu_down), one row's batch-1 GEMV. None where
+        neither runs this layer (then the caller runs the two steps)."""
+        if self.silu_quant is not None:
+            y = self.silu_quant.apply_silu_mul(self, gate_up, None, in_gemv)
+            return None if y is None else self._finish(y, reduce)
+        if not in_gemv or self.quant is not None or self.gemv_tiles is None:
+            return None
+        if gate_up.shape[0] != 1:
             return None
         if not reduce and self.tp.size > 1 and active_reducer() is not None:
             return None  # the TP reducer's pushing GEMV takes this product

@@ -12,7 +12,8 @@ it to:
 2. finish them once the checkpoint is loaded (``finish_loading``), into what the device
    computes with, or into a float ``weight`` (then the layer runs the float path: CPU
    dequantizes once at load);
-3. compute the layer's product (``apply``).
+3. compute the layer's product (``apply``; a down projection's may take the gated MLP's
+   [gate | up] and compute the SiLU-and-mul on the way in, `SiluMulQuantMethod`).
 
 A method may also load mixture-of-experts weights (`ExpertQuantMethod`, layers/moe.py; a
 method without it is refused for MoE models), keep them quantized and compute them
@@ -72,6 +73,21 @@ class QuantMethod(Protocol):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in_local] -> x W^T (+ bias) [M, out_features], in x's dtype."""
+        ...
+
+
+@runtime_checkable
+class SiluMulQuantMethod(QuantMethod, Protocol):
+    """A method whose product may take a gated MLP's [gate | up] and compute the SiLU-and-mul
+    on the way in, in the kernel that reads x anyway (FP8: the GEMV or the activation
+    quantizer), saving that activation's own kernel and its round trip through memory."""
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None, in_gemv: bool
+    ) -> torch.Tensor | None:
+        """`apply` of silu(gate) * up (kernels/activation.py's bits) from ``gate_up``
+        [M, 2 in_local], or None where the method leaves it to the caller. ``in_gemv``: the
+        engine allows the fusion in batch-1 GEMVs (its ``fused_silu_down``)."""
         ...
 
 

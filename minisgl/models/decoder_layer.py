@@ -27,7 +27,8 @@ class GatedMLP(nn.Module):
             intermediate, cfg.hidden_size, cfg.mlp_bias, tp, cfg.quant
         )
         self.act = ACTIVATIONS[cfg.hidden_act]
-        # SiLU-and-mul inside down_proj's batch-1 GEMV (set_batch1_fusions; same bits).
+        # SiLU-and-mul inside down_proj's batch-1 GEMV (set_batch1_fusions; same bits); a
+        # quantized down_proj may compute it on the way in at any row count.
         self.silu_in_down = False
         self.is_silu = cfg.hidden_act == "silu"
 
@@ -38,11 +39,10 @@ class GatedMLP(nn.Module):
     def forward_gate_up(self, gate_up: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The MLP from its gate/up projection on (which the decoder layer may compute fused
         with the norm before it)."""
-        if (
-            self.silu_in_down
-            and (y := self.down_proj.forward_silu_mul(gate_up, reduce)) is not None
-        ):
-            return y
+        if self.is_silu:
+            y = self.down_proj.forward_silu_mul(gate_up, reduce, self.silu_in_down)
+            if y is not None:
+                return y
         return self.down_proj(self.act(gate_up), reduce)
 
 

@@ -23,7 +23,12 @@ import pytest
 import torch
 
 from minisgl import LLM, SamplingParams, env
-from minisgl.extensions.quantization import FP8_GEMV, FP8_KERNELS, FP8_MOE_KERNELS
+from minisgl.extensions.quantization import (
+    FP8_FUSED_ACT,
+    FP8_GEMV,
+    FP8_KERNELS,
+    FP8_MOE_KERNELS,
+)
 from tests.fp8_checkpoints import write_fp8
 from tests.helpers import assert_engine_clean, make_tiny_model, teacher_forced_agreement
 from tests.unit.extensions.quantization.test_fp8_kernels import gemm_case, gemv_case
@@ -137,6 +142,25 @@ def test_fp8_engine_teacher_forced_top1(
     print(f"fp8 {'GEMV' if gemv else 'W8A8 GEMM'}: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
     assert top1 >= 0.99 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)
+
+
+def test_fp8_silu_mul_on_the_way_in_same_tokens(fp8_model: tuple[Path, Path]) -> None:
+    """SiLU-and-mul computed by the kernel that reads the FP8 down projection's input (the
+    GEMV with fused_silu_down, the GEMM's quantizer with MINISGL_FP8_FUSED_ACT) or by its own
+    kernel: the same greedy tokens, decoding one request (GEMV) and six (GEMM)."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    batches = [[PROMPT], [PROMPT[i:] for i in range(6)]]
+    outs = []
+    for fused in (True, False):
+        with env.override({FP8_FUSED_ACT: fused}):
+            llm = LLM(str(fp8_model[0]), fused_silu_down=fused, **GRAPHS)  # type: ignore[arg-type]
+            mlp = llm.engine.model.model.layers[0].mlp  # type: ignore[union-attr,index]
+            assert mlp.down_proj.silu_quant is not None and mlp.silu_in_down == fused
+            outs.append([[o["token_ids"] for o in llm.generate(b, params, use_tqdm=False)]
+                         for b in batches])  # fmt: skip
+            assert_engine_clean(llm)
+            llm.close()
+    assert outs[0] == outs[1]
 
 
 def test_fp8_moe_engine_keeps_e4m3_experts(fp8_moe_model: tuple[Path, Path]) -> None:

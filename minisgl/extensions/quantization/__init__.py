@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from minisgl.extensions.quantization.switches import (
     FP8_CUBLAS,
+    FP8_FUSED_ACT,
     FP8_GEMV,
     FP8_KERNELS,
     FP8_MOE_KERNELS,
@@ -25,7 +26,7 @@ from minisgl.layers.quantization import register_quant_method
 if TYPE_CHECKING:
     from minisgl.layers.quantization import QuantMethod
 
-__all__ = ["FP8_CUBLAS", "FP8_GEMV", "FP8_KERNELS", "FP8_MOE_KERNELS", "INT4_GEMV"]
+__all__ = ["FP8_CUBLAS", "FP8_FUSED_ACT", "FP8_GEMV", "FP8_KERNELS", "FP8_MOE_KERNELS", "INT4_GEMV"]
 
 
 def parse(config: Mapping[str, object]) -> QuantMethod:

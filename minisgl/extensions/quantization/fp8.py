@@ -37,6 +37,7 @@ from torch import nn
 from minisgl.extensions.quantization.fp8_cuda import (
     fp8_experts_forward,
     fp8_forward,
+    fp8_silu_forward,
     pack_fp8,
     set_fp8_buffers,
 )
@@ -69,6 +70,11 @@ class Fp8Method:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_forward(layer, x, bias)
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None, in_gemv: bool
+    ) -> torch.Tensor | None:
+        return fp8_silu_forward(layer, gate_up, bias, in_gemv)
 
     def create_expert_weights(
         self, moe: nn.Module, name: str, shape: tuple[int, int, int], load_shard: ShardFn

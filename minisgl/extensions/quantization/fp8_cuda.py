@@ -7,7 +7,8 @@ block-wise checkpoints whose blocks survived tensor-parallel sharding whole, els
 per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K); a MoE layer's experts the
 same with the expert leading. `fp8_forward` runs 1-4 rows on kernels/fp8_gemv.py
 (weight-only, MINISGL_FP8_GEMV; the widest weights excepted) and more on
-kernels/fp8_gemm.py (W8A8, activations quantized per token and 128 inputs);
+kernels/fp8_gemm.py (W8A8, activations quantized per token and 128 inputs; a down
+projection's quantizer computes the SiLU-and-mul before it, `fp8_silu_forward`);
 `fp8_experts_forward` runs the experts on kernels/fp8_moe.py (W8A8). Nothing here imports triton: CPU processes never reach the
 kernels.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.extensions.quantization.switches import FP8_CUBLAS, FP8_GEMV
+from minisgl.extensions.quantization.switches import FP8_CUBLAS, FP8_FUSED_ACT, FP8_GEMV
 
 E4M3 = torch.float8_e4m3fn
 GROUP = 128  # kernels/fp8_gemm.py's activation group (K steps of whole groups)
@@ -97,8 +98,12 @@ def use_fp8_gemv(rows: int, enabled: bool | None = None) -> bool:
     return on and 0 < rows <= GEMV_MAX_ROWS
 
 
-def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ bias) on the buffers of `set_fp8_buffers`."""
+def fp8_forward(
+    layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_x: bool = False
+) -> torch.Tensor:
+    """x W^T (+ bias) on the buffers of `set_fp8_buffers`. ``silu_x``: x is a gated MLP's
+    [gate | up] and the product is silu(gate) * up's, computed by the kernel that reads x
+    (the GEMV, or the GEMM's activation quantizer; kernels/activation.py's bits)."""
     # The module's own dict: nn.Module attribute lookup costs microseconds per layer and step.
     qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
     assert qweight is not None and wscale is not None
@@ -106,18 +111,33 @@ def fp8_forward(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
     if few and qweight.numel() < GEMV_MAX_WEIGHTS:
         from minisgl.extensions.quantization.kernels import fp8_gemv
 
-        return fp8_gemv.fp8_gemv(x, qweight, wscale, bias)
+        return fp8_gemv.fp8_gemv(x, qweight, wscale, bias, silu_x=silu_x)
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
     # K/128 a multiple of 4: torch's newer scaled_mm asks the weight scales' rows padded so
     # (its meta checks' L4), the older entry point took K/128 = 2, and session 19's probe of
     # that shape disagreed with the Triton GEMM.
     k_groups = wscale.shape[1]
-    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == x.shape[1]
+    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == qweight.shape[1]
     blocks = blocks and k_groups % 4 == 0
     if blocks and x.shape[0] >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(x.device):
-        return fp8_gemm.cublas_fp8_gemm(x, qweight, wscale, bias)
-    return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, WIDE_FEW_ROWS_TILES if few else None)
+        return fp8_gemm.cublas_fp8_gemm(x, qweight, wscale, bias, silu_x=silu_x)
+    tiles = WIDE_FEW_ROWS_TILES if few else None
+    return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, tiles, silu_x=silu_x)
+
+
+def fp8_silu_forward(
+    layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None, in_gemv: bool
+) -> torch.Tensor | None:
+    """`fp8_forward` of silu(gate) * up from a gated MLP's [gate | up], or None where the
+    caller should run SiLU-and-mul's own kernel first: in the GEMV's rows unless ``in_gemv``
+    (the engine's fused_silu_down), elsewhere unless MINISGL_FP8_FUSED_ACT."""
+    qweight = layer._buffers["qweight"]
+    assert qweight is not None
+    gemv = use_fp8_gemv(gate_up.shape[0]) and qweight.numel() < GEMV_MAX_WEIGHTS
+    if not (in_gemv if gemv else FP8_FUSED_ACT.get()):
+        return None
+    return fp8_forward(layer, gate_up, bias, silu_x=True)
 
 
 def fp8_experts_forward(

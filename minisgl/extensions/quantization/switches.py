@@ -12,6 +12,12 @@ FP8_KERNELS = flag(
     "FP8_KERNELS", True, "CUDA: FP8 dense layers and experts keep e4m3 weights; off: bf16"
 )
 FP8_GEMV = flag("FP8_GEMV", True, "CUDA: 1-4-row FP8 products on the FP8 GEMV; off: the GEMM")
+FP8_FUSED_ACT = flag(
+    "FP8_FUSED_ACT",
+    True,
+    "CUDA: FP8 down projections beyond the GEMV's rows quantize silu(gate) * up straight from "
+    "the gated MLP's [gate | up] (the same bits); off: SiLU-and-mul's own kernel first",
+)
 FP8_CUBLAS = flag(
     "FP8_CUBLAS",
     True,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
+from minisgl.kernels.activation import silu_mul
 from minisgl.kernels.moe import step_weight_scales
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
@@ -24,13 +25,18 @@ E4M3_MAX = 448.0
 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, stride_sm, stride_sg,
-                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                  GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SILU: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (g < groups)[:, None]
     pdl_wait(PDL)
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    if SILU:  # x is a gated MLP's [gate | up]
+        up = tl.load(x_ptr + row * stride_xm + groups * GROUP + offs, mask=mask, other=0.0)
+        x = silu_mul(x, up, x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
     q = (x / scale[:, None]).to(q_ptr.dtype.element_ty)
     tl.store(q_ptr + row * groups * GROUP + offs, q, mask=mask)
@@ -38,11 +44,14 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, stride_sm, strid
 
 
 def quantize_groups(
-    x: torch.Tensor, column_major: bool = False
+    x: torch.Tensor, column_major: bool = False, silu_x: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], float32 scales [M, K/128]), x ~ q * scale.
-    ``column_major``: the scales' M stride is 1 (the layout cuBLASLt's block scaling reads)."""
+    ``column_major``: the scales' M stride is 1 (the layout cuBLASLt's block scaling reads).
+    ``silu_x``: x is a gated MLP's [M, 2K] [gate | up], and what is quantized is
+    silu(gate) * up as kernels/activation.py computes it (bit for bit), never stored."""
     rows, k_dim = x.shape
+    k_dim = k_dim // 2 if silu_x else k_dim
     assert k_dim % GROUP == 0 and x.stride(1) == 1
     groups = k_dim // GROUP
     q = torch.empty(rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
@@ -53,7 +62,7 @@ def quantize_groups(
         block_g = min(8, triton.next_power_of_2(groups))
         _quant_kernel[(rows, cdiv(groups, block_g))](
             x, q, s, rows, groups, x.stride(0), s.stride(0), s.stride(1), GROUP=GROUP,
-            BLOCK_G=block_g, **pdl_args(),
+            BLOCK_G=block_g, SILU=silu_x, **pdl_args(),
         )  # fmt: skip
     return q, s
 
@@ -125,17 +134,20 @@ def fp8_gemm(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    silu_x: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (K % 128 == 0) times (weight e4m3 [N, K] with ``scales`` [N/SN, K/SK])^T
-    (+ bias) -> [M, N] in x's dtype, with x quantized per token and 128 inputs."""
-    rows, k_dim = x.shape
-    n_cols = weight.shape[0]
+    (+ bias) -> [M, N] in x's dtype, with x quantized per token and 128 inputs.
+    ``silu_x``: x is [M, 2K] [gate | up] and the product is silu(gate) * up's (see
+    `quantize_groups`)."""
+    rows, n_cols, k_dim = x.shape[0], weight.shape[0], weight.shape[1]
     sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
-    assert weight.shape[1] == k_dim and weight.is_contiguous() and sk % GROUP == 0
+    assert x.shape[1] == (2 * k_dim if silu_x else k_dim)
+    assert weight.is_contiguous() and sk % GROUP == 0
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous())
+    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), silu_x=silu_x)
     block_m, block_n, warps, stages = tiles or fp8_gemm_tiles(rows)
     ws_mode = 2 if sk == k_dim else (1 if sn % block_n == 0 else 0)
     grid = (cdiv(rows, block_m) * cdiv(n_cols, block_n),)
@@ -149,14 +161,19 @@ def fp8_gemm(
 
 
 def cublas_fp8_gemm(
-    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu_x: bool = False,
 ) -> torch.Tensor:
     """`fp8_gemm` on cuBLASLt's block-scaled FP8 GEMM (activations in 1 x 128 groups, weights
     in 128 x 128 blocks, ``scales`` [N/128, K/128]; CUDA >= 12.9 on Hopper): the same quantized
     operands, cuBLAS's tiles and pipelining. The recipes are named (torch.nn.functional.
     scaled_mm): torch._scaled_mm, which infers them from the scales' shapes, got this product
     wrong on an H100 (benchmark/RESULTS.md, 2026-12-06)."""
-    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), column_major=True)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    q, qs = quantize_groups(x, column_major=True, silu_x=silu_x)
     f = torch.nn.functional
     out = f.scaled_mm(q, weight.t(), qs, f.ScalingType.BlockWise1x128, scales.t(),
                       f.ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
+from minisgl.kernels.activation import silu_mul
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -40,11 +41,16 @@ MAX_ROWS = 4
 
 @triton.jit
 def _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK: tl.constexpr,
-              ROW_SCALE: tl.constexpr):  # fmt: skip
-    """The step's activations [BLOCK_M, BLOCK_K] in float32, times their block's scale."""
+              ROW_SCALE: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """The step's activations [BLOCK_M, BLOCK_K] in float32, times their block's scale.
+    SILU: x is a gated MLP's [gate | up] (each k_dim wide); the activations silu(gate) * up."""
     k_mask = kk < k_dim
-    x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
+    mask = m_mask[:, None] & k_mask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU:
+        x = silu_mul(x, tl.load(ptrs + k_dim, mask=mask, other=0.0), x_ptr.dtype.element_ty)
+    x = x.to(tl.float32)
     if not ROW_SCALE:
         x = x * tl.load(s_row + kk // SK, mask=k_mask, other=0.0)[None, :]
     return x
@@ -82,7 +88,7 @@ def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om, stride_s,
     SN: tl.constexpr, SK: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    R: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr,
+    R: tl.constexpr, FLAT: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -114,17 +120,18 @@ def _fp8_gemv_kernel(
             nxt = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < k_dim)[None, :],
                           other=0.0)  # fmt: skip
             x = _scaled_x(x_ptr, s_row, offs_m, m_mask, k0 + offs_k, k_dim, stride_xm, SK,
-                          ROW_SCALE)  # fmt: skip
+                          ROW_SCALE, SILU)  # fmt: skip
             acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
             w = nxt
     else:
-        x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE)
+        x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE,
+                       SILU)  # fmt: skip
         acc = _products(x0, w0, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
         for k0 in range(BLOCK_K, k_dim, BLOCK_K):
             kk = k0 + offs_k
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :],
                         other=0.0)  # fmt: skip
-            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE)
+            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE, SILU)
             acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
     y = _row_sums(acc, BLOCK_M, BLOCK_N, FLAT)
     if ROW_SCALE:
@@ -163,12 +170,15 @@ def fp8_gemv(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
+    silu_x: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (M <= 4) times (weight e4m3 [N, K] with ``scales`` [N/SN, K/SK])^T (+ bias)
-    -> [M, N] in x's dtype. Block scales need BLOCK_N to divide SN (the tiles are cut)."""
-    rows, k_dim = x.shape
-    n_cols = weight.shape[0]
-    assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.is_contiguous()
+    -> [M, N] in x's dtype. Block scales need BLOCK_N to divide SN (the tiles are cut).
+    ``silu_x``: x is [M, 2K] [gate | up] and the product is silu(gate) * up's
+    (kernels/activation.py's bits), computed on the way in."""
+    rows, n_cols, k_dim = x.shape[0], weight.shape[0], weight.shape[1]
+    assert x.shape[1] == (2 * k_dim if silu_x else k_dim)
+    assert rows <= MAX_ROWS and weight.is_contiguous()
     sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
     assert scales.shape == (n_cols // sn, k_dim // sk) and scales.dtype == torch.float32
     if x.stride(1) != 1:
@@ -187,8 +197,7 @@ def fp8_gemv(
         x.stride(0), out.stride(0), scales.stride(0),
         SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, FLAT=bool(flat) and block_m == 1,
-        num_warps=warps,
-        num_stages=stages, **pdl_args(),
+        SILU=silu_x, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
 

@@ -133,6 +133,27 @@ def check_fp8_quantize_groups(device: torch.device) -> None:
         torch.testing.assert_close(q.float(), ref, rtol=0.125, atol=2**-9)
 
 
+def check_fp8_silu_mul_on_the_way_in(device: torch.device) -> None:
+    """The GEMV and the GEMM's quantizer given a gated MLP's [gate | up] (``silu_x``) equal
+    them given SiLU-and-mul's own kernel's output, bit for bit."""
+    from minisgl.extensions.quantization.kernels.fp8_gemm import fp8_gemm, quantize_groups
+    from minisgl.extensions.quantization.kernels.fp8_gemv import fp8_gemv
+    from minisgl.kernels.activation import silu_and_mul
+
+    q, s, _ = fp8_weights(96, 384, 1, 128, 5)
+    q, s = q.to(device), s.to(device)
+    for rows in (1, 3, 9):
+        g = torch.Generator().manual_seed(rows)
+        gate_up = (torch.randn(rows, 768, generator=g) * 3).bfloat16().to(device)
+        h = silu_and_mul(gate_up)
+        for got, want in zip(quantize_groups(gate_up, silu_x=True), quantize_groups(h)):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
+                               want.view(torch.uint8) if want.dtype == E4M3 else want)  # fmt: skip
+        assert torch.equal(fp8_gemm(gate_up, q, s, silu_x=True), fp8_gemm(h, q, s))
+        if rows <= 4:
+            assert torch.equal(fp8_gemv(gate_up, q, s, silu_x=True), fp8_gemv(h, q, s))
+
+
 CHECKS = kernel_checks.collect(globals())
 
 
