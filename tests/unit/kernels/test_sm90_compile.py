@@ -88,7 +88,26 @@ def fp8_gemm(ws_mode: int) -> None:
     _compile(_fp8_gemm_kernel, sig, consts, 8, 3)
 
 
+def fp8_silu_inputs() -> None:
+    """The FP8 down projection's kernels reading a gated MLP's [gate | up]: the activation
+    quantizer and the one-row FLAT GEMV."""
+    from minisgl.extensions.quantization.kernels.fp8_gemm import _quant_kernel
+    from minisgl.extensions.quantization.kernels.fp8_gemv import _fp8_gemv_kernel
+
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    sig |= dict.fromkeys(("rows", "groups", "stride_xm", "stride_sm", "stride_sg"), _I32)
+    _compile(_quant_kernel, sig, dict(GROUP=128, BLOCK_G=8, SILU=True, PDL=True), 4, 1)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32",
+           "out_ptr": "*bf16"}  # fmt: skip
+    ints = ("rows", "n_cols", "k_dim", "stride_xm", "stride_om", "stride_s")
+    sig |= dict.fromkeys(ints, _I32)
+    consts = dict(SN=128, SK=128, ROW_SCALE=False, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8,
+                  BLOCK_K=2048, PREFETCH=False, R=16, FLAT=True, SILU=True, PDL=True)  # fmt: skip
+    _compile(_fp8_gemv_kernel, sig, consts, 8, 1)
+
+
 CASES = {
+    "fp8_silu_inputs": fp8_silu_inputs,
     "gemv_silu": functools.partial(gemv_prologue, True, 0),
     "gemv_norm": functools.partial(gemv_prologue, False, 1),
     "gemv_add_norm": functools.partial(gemv_prologue, False, 2),
