@@ -142,8 +142,8 @@ class EngineConfig:
     )
     fused_silu_down: bool = option(
         False,
-        "compute SiLU-and-mul inside the down projection's batch-1 GEMV instead of as its own "
-        "kernel (CUDA; the same bits either way; off: not faster in its first GPU A/B)",
+        "compute SiLU-and-mul inside the down projection's batch-1 GEMV (bf16, FP8) instead of "
+        "as its own kernel (CUDA; the same bits either way; off: not faster in its first GPU A/B)",
     )
     fused_norm_gemv: bool = option(
         False,
