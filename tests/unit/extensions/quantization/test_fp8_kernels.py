@@ -215,12 +215,12 @@ def test_few_rows_route_by_weight_size() -> None:
     from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv
 
     calls: list[tuple[str, object]] = []
-    gemv = mock.patch.object(fp8_gemv, "fp8_gemv", lambda *a: calls.append(("gemv", None)))
+    gemv = mock.patch.object(fp8_gemv, "fp8_gemv", lambda *a, **kw: calls.append(("gemv", None)))
     gemm = mock.patch.object(
-        fp8_gemm, "fp8_gemm", lambda *a: calls.append(("gemm", a[4] if len(a) > 4 else None))
+        fp8_gemm, "fp8_gemm", lambda *a, **kw: calls.append(("gemm", a[4] if len(a) > 4 else None))
     )
     cublas = mock.patch.object(
-        fp8_gemm, "cublas_fp8_gemm", lambda *a: calls.append(("cublas", None))
+        fp8_gemm, "cublas_fp8_gemm", lambda *a, **kw: calls.append(("cublas", None))
     )
     # The last: K/128 = 5, not a multiple of 4, which cuBLAS is not given.
     shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5), (256, 640, 9))
@@ -243,3 +243,33 @@ def test_few_rows_route_by_weight_size() -> None:
         for on in (True, False):
             with env.override({FP8_CUBLAS: on}):
                 assert fp8_cuda.cublas_block_gemm_runs(gpu) is on
+
+
+def test_silu_fusion_routes() -> None:
+    """A down projection given [gate | up]: the GEMV's rows fuse the SiLU-and-mul only with
+    the engine's fused_silu_down (``in_gemv``), the GEMM's rows unless MINISGL_FP8_FUSED_ACT
+    is off; None (the caller's own SiLU-and-mul kernel) otherwise. Shapes only (meta
+    tensors), the kernels replaced by recorders of their ``silu_x``."""
+    from unittest import mock
+
+    from minisgl.extensions.quantization import FP8_CUBLAS, FP8_FUSED_ACT, fp8_cuda
+    from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv
+
+    calls: list[tuple[str, int, bool]] = []
+
+    def record(name: str):  # type: ignore[no-untyped-def]
+        return lambda x, *a, silu_x=False, **kw: calls.append((name, x.shape[1], silu_x)) or x
+
+    layer = torch.nn.Module()
+    q = torch.empty(4096, 1024, dtype=E4M3, device="meta")
+    fp8_cuda.set_fp8_buffers(layer, q, torch.empty(32, 8, device="meta"))
+    gemv = mock.patch.object(fp8_gemv, "fp8_gemv", record("gemv"))
+    gemm = mock.patch.object(fp8_gemm, "fp8_gemm", record("gemm"))
+    with gemv, gemm, env.override({FP8_CUBLAS: False}):
+        for fused_act in (True, False):
+            with env.override({FP8_FUSED_ACT: fused_act}):
+                for rows, in_gemv in ((1, True), (1, False), (64, False)):
+                    gate_up = torch.empty(rows, 2048, device="meta")
+                    y = fp8_cuda.fp8_silu_forward(layer, gate_up, None, in_gemv)
+                    assert (y is None) == (not in_gemv if rows == 1 else not fused_act)
+    assert calls == [("gemv", 2048, True), ("gemm", 2048, True), ("gemv", 2048, True)]
