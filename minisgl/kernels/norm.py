@@ -43,9 +43,13 @@ def _rms_norm_kernel(
     stride_rt,
     stride_rh,
     eps,
+    s_ptr,
+    stride_sm,
+    stride_sg,
     HAS_RES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -76,7 +80,18 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(var + eps)
     # Round to the activation dtype before the weight multiply, as the reference does.
     y = (xf * rstd[:, None]).to(dtype).to(tl.float32)
-    tl.store(out_ptr + out_off, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # e4m3 out with a float32 scale per 128 columns (`add_rms_norm_quant`)
+        y = (y * w[None, :]).to(dtype).to(tl.float32)
+        groups = tl.reshape(y, [BLOCK_M, BLOCK_N // 128, 128])
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=2), 1e-10) / 448.0
+        q = tl.reshape(groups / scale[:, :, None], [BLOCK_M, BLOCK_N])
+        tl.store(out_ptr + out_off, q.to(out_ptr.dtype.element_ty), mask=mask)
+        g = tl.arange(0, BLOCK_N // 128)
+        s_off = rows[:, None] * stride_sm + g[None, :] * stride_sg
+        s_mask = (rows < n_rows)[:, None] & (g * 128 < n_cols)[None, :]
+        tl.store(s_ptr + s_off, scale, mask=s_mask)
+    else:
+        tl.store(out_ptr + out_off, (y * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def row_tile(d: int) -> tuple[int, int, int]:
@@ -100,13 +115,20 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``scales`` [rows, D / 128] (any strides): the output is e4m3, quantized per 128
+    columns into them (`add_rms_norm_quant`)."""
     d = x.shape[-1]
     assert weight.shape == (d,) and weight.is_contiguous(), (weight.shape, d)
     assert weight.device == x.device
     # Same dtype rule as `weight * normed` in torch: x.dtype whenever the weight matches it.
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    dtype = torch.promote_types(x.dtype, weight.dtype) if scales is None else torch.float8_e4m3fn
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     res_out = None
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (
@@ -127,8 +149,10 @@ def _launch(
     grid = (cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
         xk, rk, weight, out, res_out if res_out is not None else out,
-        n_rows, d, heads, sxt, sxh, srt, srh, eps,
-        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        n_rows, d, heads, sxt, sxh, srt, srh, eps, scales if scales is not None else weight,
+        0 if scales is None else scales.stride(0), 0 if scales is None else scales.stride(1),
+        HAS_RES=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        QUANT=scales is not None, num_warps=num_warps,
         # Sum x*x with separate multiplies and adds, as the fused q/k-norm kernel must.
         enable_fp_fusion=False, **pdl_args(),
     )  # fmt: skip
@@ -149,3 +173,23 @@ def fused_add_rms_norm(
     out, res_out = _launch(x, residual, weight, eps)
     assert res_out is not None
     return out, res_out
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    column_major: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 q, float32 scales [N, D/128], x + residual (x without one)): the normed rows
+    of `fused_add_rms_norm` (their bits) quantized per 128 columns as an FP8 GEMM's
+    activation quantizer does it (dynamic: scale = the group's max-abs / 448), in the norm's
+    pass over memory. x [N, D], D % 128 == 0. ``column_major``: the scales' N stride is 1."""
+    rows, d = x.shape
+    assert d % 128 == 0 and x.dtype == weight.dtype
+    s = torch.empty((d // 128, rows) if column_major else (rows, d // 128), dtype=torch.float32,
+                    device=x.device)  # fmt: skip
+    s = s.t() if column_major else s
+    q, res_out = _launch(x, residual, weight, eps, s)
+    return q, s, x if res_out is None else res_out

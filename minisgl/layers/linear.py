@@ -17,7 +17,7 @@ from minisgl.distributed import TPInfo, all_reduce
 from minisgl.distributed.reducer import active_reducer
 from minisgl.kernels import GemvTiles
 from minisgl.layers.cpu_linear import gemv_add_rms_norm, gemv_silu_mul, linear
-from minisgl.layers.quantization import QuantMethod, SiluMulQuantMethod
+from minisgl.layers.quantization import FusingQuantMethod, QuantMethod
 
 
 def _set_loader(p: nn.Parameter, fn: Callable[..., None]) -> None:
@@ -31,7 +31,7 @@ class ShardedLinear(nn.Module):
     cpu_packed: torch.Tensor | None = None  # see layers/cpu_linear.py
     gemv_tiles: GemvTiles | None = None  # CUDA batch-1 GEMV (set by pack_model)
     weight: nn.Parameter  # float checkpoints, and quantized ones once made float
-    silu_quant: SiluMulQuantMethod | None = None  # self.quant where it fuses SiLU-and-mul
+    fusing_quant: FusingQuantMethod | None = None  # self.quant where it fuses the step before
 
     def __init__(self, tp: TPInfo, quant: QuantMethod | None) -> None:
         super().__init__()
@@ -53,7 +53,7 @@ class ShardedLinear(nn.Module):
         if self.quant is not None and not self.quant.finish_loading(self, dtype):
             self.quant = None
         # Checked once: a runtime protocol check costs microseconds per layer and step.
-        self.silu_quant = self.quant if isinstance(self.quant, SiluMulQuantMethod) else None
+        self.fusing_quant = self.quant if isinstance(self.quant, FusingQuantMethod) else None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None:
@@ -110,14 +110,24 @@ class ColumnParallelLinear(ShardedLinear):
         return self._product(x, self.bias)
 
     def forward_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        in_gemv: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(forward(rmsnorm(x + residual)), x + residual) for one row, the norm computed
-        inside the batch-1 GEMV (no kernel of its own); None where that GEMV does not run
-        this layer or x is a TP partial sum (its all-reduce comes first)."""
-        if self.quant is not None or self.gemv_tiles is None or x.shape[0] != 1:
-            return None
+        """(forward(rmsnorm(x + residual)), x + residual), the norm computed by the kernel
+        that makes or reads this layer's input: a quantized method's (FusingQuantMethod),
+        or, ``in_gemv`` (the engine's fused_norm_gemv), one row's batch-1 GEMV. None where
+        neither runs this layer or x is a TP partial sum (its all-reduce comes first)."""
         if self.tp.size > 1:
+            return None
+        if self.fusing_quant is not None:
+            return self.fusing_quant.apply_add_rms_norm(
+                self, x, residual, norm_weight, eps, self.bias
+            )
+        if not in_gemv or self.quant is not None or self.gemv_tiles is None or x.shape[0] != 1:
             return None
         return gemv_add_rms_norm(
             x, residual, norm_weight, eps, self.weight, self.bias, self.gemv_tiles
@@ -196,11 +206,11 @@ class RowParallelLinear(ShardedLinear):
         self, gate_up: torch.Tensor, reduce: bool = True, in_gemv: bool = False
     ) -> torch.Tensor | None:
         """forward(silu(gate) * up) from a gated MLP's [gate | up], the activation computed
-        by the kernel that reads x (the same bits): a quantized method's (SiluMulQuantMethod),
+        by the kernel that reads x (the same bits): a quantized method's (FusingQuantMethod),
         or, ``in_gemv`` (the engine's fused_silu_down), one row's batch-1 GEMV. None where
         neither runs this layer (then the caller runs the two steps)."""
-        if self.silu_quant is not None:
-            y = self.silu_quant.apply_silu_mul(self, gate_up, None, in_gemv)
+        if self.fusing_quant is not None:
+            y = self.fusing_quant.apply_silu_mul(self, gate_up, None, in_gemv)
             return None if y is None else self._finish(y, reduce)
         if not in_gemv or self.quant is not None or self.gemv_tiles is None:
             return None

@@ -13,7 +13,8 @@ it to:
    computes with, or into a float ``weight`` (then the layer runs the float path: CPU
    dequantizes once at load);
 3. compute the layer's product (``apply``; a down projection's may take the gated MLP's
-   [gate | up] and compute the SiLU-and-mul on the way in, `SiluMulQuantMethod`).
+   [gate | up] and compute the SiLU-and-mul on the way in, a q/k/v or gate/up projection
+   the RMSNorm before it, `FusingQuantMethod`).
 
 A method may also load mixture-of-experts weights (`ExpertQuantMethod`, layers/moe.py; a
 method without it is refused for MoE models), keep them quantized and compute them
@@ -77,17 +78,31 @@ class QuantMethod(Protocol):
 
 
 @runtime_checkable
-class SiluMulQuantMethod(QuantMethod, Protocol):
-    """A method whose product may take a gated MLP's [gate | up] and compute the SiLU-and-mul
-    on the way in, in the kernel that reads x anyway (FP8: the GEMV or the activation
-    quantizer), saving that activation's own kernel and its round trip through memory."""
+class FusingQuantMethod(QuantMethod, Protocol):
+    """A method whose product may compute the step before it (a gated MLP's SiLU-and-mul, a
+    decoder layer's RMSNorm) in the kernel that reads or makes its input (FP8: the GEMV,
+    the activation quantizer, the norm writing quantized activations), saving a kernel and
+    that activation's round trip through memory. Each returns None where it declines."""
 
     def apply_silu_mul(
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None, in_gemv: bool
     ) -> torch.Tensor | None:
         """`apply` of silu(gate) * up (kernels/activation.py's bits) from ``gate_up``
-        [M, 2 in_local], or None where the method leaves it to the caller. ``in_gemv``: the
-        engine allows the fusion in batch-1 GEMVs (its ``fused_silu_down``)."""
+        [M, 2 in_local]. ``in_gemv``: the engine allows the fusion in batch-1 GEMVs (its
+        ``fused_silu_down``)."""
+        ...
+
+    def apply_add_rms_norm(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(`apply` of rmsnorm(x + residual) * norm_weight (kernels/norm.py's bits),
+        x + residual) for x [M, in_local] (x itself as the residual without one)."""
         ...
 
 

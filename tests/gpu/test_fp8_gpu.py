@@ -144,10 +144,12 @@ def test_fp8_engine_teacher_forced_top1(
     assert_engine_clean(llm)
 
 
-def test_fp8_silu_mul_on_the_way_in_same_tokens(fp8_model: tuple[Path, Path]) -> None:
-    """SiLU-and-mul computed by the kernel that reads the FP8 down projection's input (the
-    GEMV with fused_silu_down, the GEMM's quantizer with MINISGL_FP8_FUSED_ACT) or by its own
-    kernel: the same greedy tokens, decoding one request (GEMV) and six (GEMM)."""
+def test_fp8_fused_activations_same_tokens(fp8_model: tuple[Path, Path]) -> None:
+    """The steps before the FP8 products fused into the kernels that read or make their
+    input (SiLU-and-mul: the down projection's GEMV with fused_silu_down, its quantizer with
+    MINISGL_FP8_FUSED_ACT; the RMSNorm writing quantized activations for q/k/v and gate/up,
+    MINISGL_FP8_FUSED_ACT) or run as their own kernels: the same greedy tokens, decoding one
+    request (GEMV) and six (GEMM)."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     batches = [[PROMPT], [PROMPT[i:] for i in range(6)]]
     outs = []
@@ -155,7 +157,8 @@ def test_fp8_silu_mul_on_the_way_in_same_tokens(fp8_model: tuple[Path, Path]) ->
         with env.override({FP8_FUSED_ACT: fused}):
             llm = LLM(str(fp8_model[0]), fused_silu_down=fused, **GRAPHS)  # type: ignore[arg-type]
             mlp = llm.engine.model.model.layers[0].mlp  # type: ignore[union-attr,index]
-            assert mlp.down_proj.silu_quant is not None and mlp.silu_in_down == fused
+            assert mlp.down_proj.fusing_quant is not None and mlp.silu_in_down == fused
+            assert mlp.gate_up_proj.fusing_quant is not None
             outs.append([[o["token_ids"] for o in llm.generate(b, params, use_tqdm=False)]
                          for b in batches])  # fmt: skip
             assert_engine_clean(llm)

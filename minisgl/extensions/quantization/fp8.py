@@ -37,6 +37,7 @@ from torch import nn
 from minisgl.extensions.quantization.fp8_cuda import (
     fp8_experts_forward,
     fp8_forward,
+    fp8_norm_forward,
     fp8_silu_forward,
     pack_fp8,
     set_fp8_buffers,
@@ -75,6 +76,17 @@ class Fp8Method:
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None, in_gemv: bool
     ) -> torch.Tensor | None:
         return fp8_silu_forward(layer, gate_up, bias, in_gemv)
+
+    def apply_add_rms_norm(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return fp8_norm_forward(layer, x, residual, norm_weight, eps, bias)
 
     def create_expert_weights(
         self, moe: nn.Module, name: str, shape: tuple[int, int, int], load_shard: ShardFn

@@ -8,7 +8,8 @@ per scale: SN = 1; per-channel and per-tensor: SN = 1, SK = K); a MoE layer's ex
 same with the expert leading. `fp8_forward` runs 1-4 rows on kernels/fp8_gemv.py
 (weight-only, MINISGL_FP8_GEMV; the widest weights excepted) and more on
 kernels/fp8_gemm.py (W8A8, activations quantized per token and 128 inputs; a down
-projection's quantizer computes the SiLU-and-mul before it, `fp8_silu_forward`);
+projection's quantizer computes the SiLU-and-mul before it, `fp8_silu_forward`, and the
+RMSNorm before the q/k/v and gate/up projections quantizes its output, `fp8_norm_forward`);
 `fp8_experts_forward` runs the experts on kernels/fp8_moe.py (W8A8). Nothing here imports triton: CPU processes never reach the
 kernels.
 """
@@ -98,31 +99,45 @@ def use_fp8_gemv(rows: int, enabled: bool | None = None) -> bool:
     return on and 0 < rows <= GEMV_MAX_ROWS
 
 
+def _buffers(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    # The module's own dict: nn.Module attribute lookup costs microseconds per layer and step.
+    qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
+    assert qweight is not None and wscale is not None
+    return qweight, wscale
+
+
+def _route(qweight: torch.Tensor, wscale: torch.Tensor, rows: int, device: torch.device) -> str:
+    """Which kernel multiplies ``rows`` rows: "gemv" (weight-only), "cublas" (cuBLASLt's
+    block-scaled GEMM) or "gemm" (kernels/fp8_gemm.py), the last two W8A8."""
+    if use_fp8_gemv(rows) and qweight.numel() < GEMV_MAX_WEIGHTS:
+        return "gemv"
+    # K/128 a multiple of 4: torch's newer scaled_mm asks the weight scales' rows padded so
+    # (its meta checks' L4), the older entry point took K/128 = 2, and session 19's probe of
+    # that shape disagreed with the Triton GEMM.
+    k_groups = wscale.shape[1]
+    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == qweight.shape[1]
+    if blocks and k_groups % 4 == 0 and rows >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(device):
+        return "cublas"
+    return "gemm"
+
+
 def fp8_forward(
     layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_x: bool = False
 ) -> torch.Tensor:
     """x W^T (+ bias) on the buffers of `set_fp8_buffers`. ``silu_x``: x is a gated MLP's
     [gate | up] and the product is silu(gate) * up's, computed by the kernel that reads x
     (the GEMV, or the GEMM's activation quantizer; kernels/activation.py's bits)."""
-    # The module's own dict: nn.Module attribute lookup costs microseconds per layer and step.
-    qweight, wscale = layer._buffers["qweight"], layer._buffers["wscale"]
-    assert qweight is not None and wscale is not None
-    few = use_fp8_gemv(x.shape[0])
-    if few and qweight.numel() < GEMV_MAX_WEIGHTS:
+    qweight, wscale = _buffers(layer)
+    route = _route(qweight, wscale, x.shape[0], x.device)
+    if route == "gemv":
         from minisgl.extensions.quantization.kernels import fp8_gemv
 
         return fp8_gemv.fp8_gemv(x, qweight, wscale, bias, silu_x=silu_x)
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
-    # K/128 a multiple of 4: torch's newer scaled_mm asks the weight scales' rows padded so
-    # (its meta checks' L4), the older entry point took K/128 = 2, and session 19's probe of
-    # that shape disagreed with the Triton GEMM.
-    k_groups = wscale.shape[1]
-    blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == qweight.shape[1]
-    blocks = blocks and k_groups % 4 == 0
-    if blocks and x.shape[0] >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(x.device):
+    if route == "cublas":
         return fp8_gemm.cublas_fp8_gemm(x, qweight, wscale, bias, silu_x=silu_x)
-    tiles = WIDE_FEW_ROWS_TILES if few else None
+    tiles = WIDE_FEW_ROWS_TILES if use_fp8_gemv(x.shape[0]) else None
     return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, tiles, silu_x=silu_x)
 
 
@@ -132,12 +147,39 @@ def fp8_silu_forward(
     """`fp8_forward` of silu(gate) * up from a gated MLP's [gate | up], or None where the
     caller should run SiLU-and-mul's own kernel first: in the GEMV's rows unless ``in_gemv``
     (the engine's fused_silu_down), elsewhere unless MINISGL_FP8_FUSED_ACT."""
-    qweight = layer._buffers["qweight"]
-    assert qweight is not None
-    gemv = use_fp8_gemv(gate_up.shape[0]) and qweight.numel() < GEMV_MAX_WEIGHTS
+    qweight, wscale = _buffers(layer)
+    gemv = _route(qweight, wscale, gate_up.shape[0], gate_up.device) == "gemv"
     if not (in_gemv if gemv else FP8_FUSED_ACT.get()):
         return None
     return fp8_forward(layer, gate_up, bias, silu_x=True)
+
+
+def fp8_norm_forward(
+    layer: nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(`fp8_forward` of rmsnorm(x + residual), x + residual) with the activations quantized
+    by the norm's kernel (kernels/norm.add_rms_norm_quant: the same bits as the norm, then
+    the quantizer), or None where the caller should run the norm first: the GEMV's rows
+    (weight-only: nothing to quantize), MINISGL_FP8_FUSED_ACT off, or inputs the norm
+    kernel's quantizing epilogue does not take."""
+    qweight, wscale = _buffers(layer)
+    route = _route(qweight, wscale, x.shape[0], x.device)
+    if route == "gemv" or not FP8_FUSED_ACT.get() or x.dtype != norm_weight.dtype:
+        return None
+    from minisgl.extensions.quantization.kernels import fp8_gemm
+    from minisgl.kernels.norm import add_rms_norm_quant
+
+    cublas = route == "cublas"
+    q, qs, res = add_rms_norm_quant(x, residual, norm_weight, eps, column_major=cublas)
+    if cublas:
+        return fp8_gemm.cublas_quantized_gemm(q, qs, qweight, wscale, bias, x.dtype), res
+    tiles = WIDE_FEW_ROWS_TILES if use_fp8_gemv(x.shape[0]) else None
+    return fp8_gemm.quantized_gemm(q, qs, qweight, wscale, bias, x.dtype, tiles), res
 
 
 def fp8_experts_forward(

@@ -15,8 +15,8 @@ FP8_GEMV = flag("FP8_GEMV", True, "CUDA: 1-4-row FP8 products on the FP8 GEMV; o
 FP8_FUSED_ACT = flag(
     "FP8_FUSED_ACT",
     True,
-    "CUDA: FP8 down projections beyond the GEMV's rows quantize silu(gate) * up straight from "
-    "the gated MLP's [gate | up] (the same bits); off: SiLU-and-mul's own kernel first",
+    "CUDA: W8A8 FP8 products quantize their activations in the kernel before them (SiLU-and-"
+    "mul, RMSNorm; the same bits); off: those kernels, then the quantizer, on their own",
 )
 FP8_CUBLAS = flag(
     "FP8_CUBLAS",

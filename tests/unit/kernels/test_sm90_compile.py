@@ -106,7 +106,22 @@ def fp8_silu_inputs() -> None:
     _compile(_fp8_gemv_kernel, sig, consts, 8, 1)
 
 
+def norm_quant(block_m: int, block_n: int) -> None:
+    """The RMSNorm writing e4m3 activations and their scales (kernels/norm.py's QUANT)."""
+    from minisgl.kernels.norm import _rms_norm_kernel
+
+    sig = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+           "res_out_ptr": "*bf16"}  # fmt: skip
+    ints = ("n_rows", "n_cols", "heads", "stride_xt", "stride_xh", "stride_rt", "stride_rh")
+    sig |= dict.fromkeys(ints, _I32)
+    sig |= {"eps": "fp32", "s_ptr": "*fp32", "stride_sm": _I32, "stride_sg": _I32}
+    consts = dict(HAS_RES=True, BLOCK_M=block_m, BLOCK_N=block_n, QUANT=True, PDL=True)
+    _compile(_rms_norm_kernel, sig, consts, 4, 3)
+
+
 CASES = {
+    "norm_quant_8b": functools.partial(norm_quant, 1, 4096),
+    "norm_quant_0_6b": functools.partial(norm_quant, 2, 1024),
     "fp8_silu_inputs": fp8_silu_inputs,
     "gemv_silu": functools.partial(gemv_prologue, True, 0),
     "gemv_norm": functools.partial(gemv_prologue, False, 1),

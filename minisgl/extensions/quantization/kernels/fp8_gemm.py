@@ -140,14 +140,29 @@ def fp8_gemm(
     (+ bias) -> [M, N] in x's dtype, with x quantized per token and 128 inputs.
     ``silu_x``: x is [M, 2K] [gate | up] and the product is silu(gate) * up's (see
     `quantize_groups`)."""
-    rows, n_cols, k_dim = x.shape[0], weight.shape[0], weight.shape[1]
+    assert x.shape[1] == (2 * weight.shape[1] if silu_x else weight.shape[1])
+    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), silu_x=silu_x)
+    return quantized_gemm(q, qs, weight, scales, bias, x.dtype, tiles)
+
+
+def quantized_gemm(
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """`fp8_gemm` of activations already quantized (``q`` e4m3 [M, K], ``qs`` float32
+    [M, K/128] row-major, as `quantize_groups` or kernels/norm.add_rms_norm_quant give them)."""
+    rows, n_cols, k_dim = q.shape[0], weight.shape[0], weight.shape[1]
     sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
-    assert x.shape[1] == (2 * k_dim if silu_x else k_dim)
+    assert q.shape[1] == k_dim and q.is_contiguous() and qs.is_contiguous()
     assert weight.is_contiguous() and sk % GROUP == 0
-    out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n_cols, dtype=out_dtype, device=q.device)
     if rows == 0:
         return out
-    q, qs = quantize_groups(x if x.stride(1) == 1 else x.contiguous(), silu_x=silu_x)
     block_m, block_n, warps, stages = tiles or fp8_gemm_tiles(rows)
     ws_mode = 2 if sk == k_dim else (1 if sn % block_n == 0 else 0)
     grid = (cdiv(rows, block_m) * cdiv(n_cols, block_n),)
@@ -174,7 +189,19 @@ def cublas_fp8_gemm(
     wrong on an H100 (benchmark/RESULTS.md, 2026-12-06)."""
     x = x if x.stride(1) == 1 else x.contiguous()
     q, qs = quantize_groups(x, column_major=True, silu_x=silu_x)
+    return cublas_quantized_gemm(q, qs, weight, scales, bias, x.dtype)
+
+
+def cublas_quantized_gemm(
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`cublas_fp8_gemm` of activations already quantized (``qs`` column-major)."""
     f = torch.nn.functional
     out = f.scaled_mm(q, weight.t(), qs, f.ScalingType.BlockWise1x128, scales.t(),
-                      f.ScalingType.BlockWise128x128, output_dtype=x.dtype)  # fmt: skip
+                      f.ScalingType.BlockWise128x128, output_dtype=out_dtype)  # fmt: skip
     return out if bias is None else out.add_(bias)  # the bias outside: not every recipe takes one

@@ -154,6 +154,28 @@ def check_fp8_silu_mul_on_the_way_in(device: torch.device) -> None:
             assert torch.equal(fp8_gemv(gate_up, q, s, silu_x=True), fp8_gemv(h, q, s))
 
 
+def check_fp8_norm_quantizes_its_output(device: torch.device) -> None:
+    """kernels/norm.add_rms_norm_quant equals the plain norm followed by the activation
+    quantizer, bit for bit (e4m3 codes, scales, the residual sum), with and without a
+    residual, scales in either layout."""
+    from minisgl.extensions.quantization.kernels.fp8_gemm import quantize_groups
+    from minisgl.kernels.norm import add_rms_norm_quant, fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(3)
+    x, r = ((torch.randn(5, 384, generator=g) * 4).bfloat16().to(device) for _ in range(2))
+    w = (torch.rand(384, generator=g) + 0.5).bfloat16().to(device)
+    for res in (r, None):
+        normed, want_res = (
+            (rms_norm(x, w, 1e-6), x) if res is None else fused_add_rms_norm(x, res, w, 1e-6)
+        )
+        want_q, want_s = quantize_groups(normed)
+        for column_major in (False, True):
+            q, s, got_res = add_rms_norm_quant(x, res, w, 1e-6, column_major)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(s, want_s) and (s.stride(0) == 1) == column_major
+            assert torch.equal(got_res, want_res)
+
+
 CHECKS = kernel_checks.collect(globals())
 
 
@@ -258,7 +280,11 @@ def test_silu_fusion_routes() -> None:
     calls: list[tuple[str, int, bool]] = []
 
     def record(name: str):  # type: ignore[no-untyped-def]
-        return lambda x, *a, silu_x=False, **kw: calls.append((name, x.shape[1], silu_x)) or x
+        def kernel(x, *a, silu_x=False, **kw):  # type: ignore[no-untyped-def]
+            calls.append((name, x.shape[1], silu_x))
+            return x
+
+        return kernel
 
     layer = torch.nn.Module()
     q = torch.empty(4096, 1024, dtype=E4M3, device="meta")
@@ -273,3 +299,49 @@ def test_silu_fusion_routes() -> None:
                     y = fp8_cuda.fp8_silu_forward(layer, gate_up, None, in_gemv)
                     assert (y is None) == (not in_gemv if rows == 1 else not fused_act)
     assert calls == [("gemv", 2048, True), ("gemm", 2048, True), ("gemv", 2048, True)]
+
+
+def test_norm_fusion_routes() -> None:
+    """A q/k/v or gate/up projection given its RMSNorm's input: the GEMM's rows quantize in
+    the norm's kernel (scales column-major for cuBLAS) unless MINISGL_FP8_FUSED_ACT is off;
+    the GEMV's rows (weight-only) decline. Shapes only (meta tensors), the kernels replaced
+    by recorders."""
+    from unittest import mock
+
+    from minisgl.extensions.quantization import FP8_CUBLAS, FP8_FUSED_ACT, fp8_cuda
+    from minisgl.extensions.quantization.kernels import fp8_gemm
+    from minisgl.kernels import norm
+
+    calls: list[tuple[str, object]] = []
+
+    def norm_quant(x, res, w, eps, column_major=False):  # type: ignore[no-untyped-def]
+        calls.append(("norm", column_major))
+        return x, x, x
+
+    def gemm(name: str):  # type: ignore[no-untyped-def]
+        def kernel(q, *a, **kw):  # type: ignore[no-untyped-def]
+            calls.append((name, q.shape))
+            return q
+
+        return kernel
+
+    layer = torch.nn.Module()
+    q = torch.empty(1024, 512, dtype=E4M3, device="meta")
+    fp8_cuda.set_fp8_buffers(layer, q, torch.empty(8, 4, device="meta"))
+    w = torch.empty(512, device="meta")
+    patches = (
+        mock.patch.object(norm, "add_rms_norm_quant", norm_quant),
+        mock.patch.object(fp8_gemm, "quantized_gemm", gemm("gemm")),
+        mock.patch.object(fp8_gemm, "cublas_quantized_gemm", gemm("cublas")),
+    )
+    with patches[0], patches[1], patches[2]:
+        for cublas in (False, True):
+            probe = mock.patch.object(fp8_cuda, "cublas_block_gemm_runs", lambda d, c=cublas: c)
+            for fused in (True, False):
+                with probe, env.override({FP8_FUSED_ACT: fused, FP8_CUBLAS: True}):
+                    for rows in (1, 64):
+                        x = torch.empty(rows, 512, device="meta")
+                        y = fp8_cuda.fp8_norm_forward(layer, x, None, w, 1e-6, None)
+                        assert (y is None) == (rows == 1 or not fused)
+    shape = torch.Size([64, 512])
+    assert calls == [("norm", False), ("gemm", shape), ("norm", True), ("cublas", shape)]
