@@ -1,7 +1,8 @@
 #!/bin/bash
 # Issue 28's offline targets on one GPU (about 9 minutes; each model's bf16 twin in the same call):
-# the offline workload on Qwen3-8B-FP8 vs Qwen3-8B, and Qwen3-30B-A3B-FP8 with the FP8 fused MoE
-# (the default) vs Qwen3-30B-A3B, then without it (experts dequantized), dummy weights.
+# the offline workload on Qwen3-8B-FP8 vs Qwen3-8B, then FP8 without the activation quantization
+# fused into the norm and SiLU-and-mul (the A/B of MINISGL_FP8_FUSED_ACT), and Qwen3-30B-A3B-FP8
+# (the FP8 fused MoE) vs Qwen3-30B-A3B, dummy weights.
 # Run from the repo root on the device: bash benchmark/gpu/run_offline_fp8.sh (OUT: a results folder).
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:$PYTHONPATH
@@ -17,7 +18,7 @@ off() {  # model [env]
 }
 off Qwen3-8B-FP8
 off Qwen3-8B
+off Qwen3-8B-FP8 MINISGL_FP8_FUSED_ACT=0
 off Qwen3-30B-A3B-FP8
 off Qwen3-30B-A3B
-off Qwen3-30B-A3B-FP8 MINISGL_FP8_MOE_KERNELS=0
 t done
