@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:$PYTHONPATH
 T0=$SECONDS
 t() { echo "[$((SECONDS - T0)) s] $*"; }
-LIMIT=${OFF_LIMIT:-480} bash benchmark/gpu/run_offline_fp8.sh
+LIMIT=${OFF_LIMIT:-440} bash benchmark/gpu/run_offline_fp8.sh
 if [ $((SECONDS - T0)) -lt ${LIMIT:-420} ]; then
   t "bf16 gemv FLAT sweep (cold)"
   timeout 100 python3 benchmark/gpu/bench_gemv.py --flat-sweep --cold --write-table $OUT/gemv.json \
