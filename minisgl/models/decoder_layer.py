@@ -107,6 +107,4 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(proj(norm(x + residual)), x + residual) with the norm inside the kernel that
         makes or reads proj's input (batch-1 GEMV, quantized activations), or None."""
-        if not x.is_cuda:
-            return None
         return proj.forward_add_rms_norm(x, residual, norm.weight, norm.eps, self.norm_in_gemv)
