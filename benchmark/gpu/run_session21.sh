@@ -16,7 +16,7 @@ cut -c1-700 $OUT/probe.log | tail -8
 t "W8A8 GEMM (old, new) and cuBLAS"
 for d in old .; do
   rows="2048"; [ $d = . ] && rows="16 64 256 $rows"
-  (cd $d && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout 150 python3 benchmark/gpu/bench_fp8.py --rows \
+  (cd $d && PYTHONPATH=$PWD:${PYTHONPATH#*:} timeout $([ $d = . ] && echo 130 || echo 60) python3 benchmark/gpu/bench_fp8.py --rows \
     --gemm-rows $rows $([ $d = . ] && echo --silu --gemm-sweep) 2>&1 | grep -E "GEMM|cuBLASLt|Error" | cut -c1-420)
 done
 t "fp8 gemv default vs 64-row GEMM, one row"
