@@ -57,13 +57,13 @@ def test_fp8_gemm_8b_shapes(n: int, k: int) -> None:
 
 @pytest.mark.parametrize(("n", "k"), SHAPES_8B)
 def test_cublas_fp8_gemm_8b_shapes(n: int, k: int) -> None:
-    """cuBLASLt's block-scaled FP8 GEMM, which fp8_cuda routes 5+ rows of block-scaled
-    weights to where this torch and CUDA run it, within the same bounds."""
+    """cuBLASLt's block-scaled FP8 GEMM, which fp8_cuda routes 8+ rows (a multiple of 4) of
+    block-scaled weights to where this torch and CUDA run it, within the same bounds."""
     from minisgl.extensions.quantization.fp8_cuda import cublas_block_gemm_runs
 
     if not cublas_block_gemm_runs(CUDA):
         pytest.skip("this torch/CUDA build's _scaled_mm has no 1x128 x 128x128 scaling")
-    for rows in (5, 64, 300, 2049):
+    for rows in (8, 64, 300, 2048):
         gemm_case(rows, n, k, 128, 128, torch.bfloat16, rows == 64, CUDA, cublas=True)
 
 

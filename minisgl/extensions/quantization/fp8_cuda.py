@@ -24,10 +24,11 @@ from minisgl.extensions.quantization.switches import FP8_CUBLAS, FP8_FUSED_ACT, 
 E4M3 = torch.float8_e4m3fn
 GROUP = 128  # kernels/fp8_gemm.py's activation group (K steps of whole groups)
 GEMV_MAX_ROWS = 4  # kernels/fp8_gemv.py's MAX_ROWS
-# 1-4 rows of the widest weights (Qwen3-8B's gate_up, 100M e4m3 values) run the W8A8 GEMM on
-# 64-row tiles (e4m3 wgmma fed by cp.async, no per-weight conversion) rather than the GEMV,
-# whose e4m3 -> float32 conversions bound it: H200, cold, 1 row, 30.8 vs 38.6 us; the GEMV
-# stays faster on 8B's qkv, o and down (benchmark/RESULTS.md, 2026-12-06).
+# 2-4 rows of the widest weights (Qwen3-8B's gate_up, 100M e4m3 values) run the W8A8 GEMM on
+# 64-row tiles (e4m3 wgmma fed by cp.async, no per-weight conversion) rather than the GEMV's
+# 3-D tiles, whose e4m3 -> float32 conversions bound them (H200, cold, 1 row, 30.8 vs 38.6
+# us, 2026-12-06). One row runs the GEMV everywhere: its FLAT tiles beat the GEMM's on
+# gate_up too (H100, cold, 34.1 vs 38.2 us, benchmark/RESULTS.md 2026-12-07).
 GEMV_MAX_WEIGHTS = 64 * 2**20
 WIDE_FEW_ROWS_TILES = (64, 64, 4, 3)  # fp8_gemm's (BLOCK_M, BLOCK_N, warps, stages)
 CUBLAS_MIN_ROWS = 5  # UNMEASURED: rows from which cuBLASLt's block-scaled GEMM runs
@@ -35,7 +36,7 @@ _cublas_runs: dict[torch.device, bool] = {}  # per device, probed once at load
 
 
 def cublas_block_gemm_runs(device: torch.device) -> bool:
-    """Whether torch._scaled_mm runs 1x128 x 128x128 block scaling on ``device`` (cuBLASLt
+    """Whether torch's scaled_mm runs 1x128 x 128x128 block scaling on ``device`` (cuBLASLt
     of CUDA >= 12.9, Hopper) and agrees with kernels/fp8_gemm.py: probed once, at load time
     (never inside a CUDA-graph capture)."""
     if device.type != "cuda":
@@ -49,7 +50,7 @@ def _probe_cublas(device: torch.device) -> bool:
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
     g = torch.Generator(device=device).manual_seed(0)
-    for m, n, k in ((40, 256, 512), (37, 384, 1024)):  # odd row counts too
+    for m, n, k in ((40, 256, 512), (36, 384, 1024)):  # row counts the route takes
         x = torch.randn(m, k, device=device, generator=g).bfloat16()
         w = torch.randn(n, k, device=device, generator=g).to(E4M3)
         s = torch.rand(n // GROUP, k // GROUP, device=device, generator=g) + 0.5
@@ -109,14 +110,17 @@ def _buffers(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 def _route(qweight: torch.Tensor, wscale: torch.Tensor, rows: int, device: torch.device) -> str:
     """Which kernel multiplies ``rows`` rows: "gemv" (weight-only), "cublas" (cuBLASLt's
     block-scaled GEMM) or "gemm" (kernels/fp8_gemm.py), the last two W8A8."""
-    if use_fp8_gemv(rows) and qweight.numel() < GEMV_MAX_WEIGHTS:
+    if use_fp8_gemv(rows) and (rows == 1 or qweight.numel() < GEMV_MAX_WEIGHTS):
         return "gemv"
     # K/128 a multiple of 4: torch's newer scaled_mm asks the weight scales' rows padded so
     # (its meta checks' L4), the older entry point took K/128 = 2, and session 19's probe of
     # that shape disagreed with the Triton GEMM.
     k_groups = wscale.shape[1]
     blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == qweight.shape[1]
-    if blocks and k_groups % 4 == 0 and rows >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(device):
+    # rows % 4: cuBLASLt asks the activation scales' leading dimension (rows, torch's layout
+    # check) in whole 16 bytes (CUBLAS_STATUS_NOT_SUPPORTED at 37 rows on the H100).
+    cublas_rows = rows >= CUBLAS_MIN_ROWS and rows % 4 == 0
+    if blocks and k_groups % 4 == 0 and cublas_rows and cublas_block_gemm_runs(device):
         return "cublas"
     return "gemm"
 

@@ -86,7 +86,7 @@ def check_gemv_flat_tiles(device: torch.device) -> None:
     gate_up, w = torch.randn(1, 2 * 256, generator=g), torch.randn(16, 256, generator=g) / 16
     flat = (1, 4, 128, 4, 1, 1)
     got = gemv(gate_up.to(device), w.to(device), None, flat, silu_x=True)
-    want = silu_and_mul(gate_up) @ w.T
+    want = silu_and_mul(gate_up.to(device)).cpu() @ w.T  # a Triton kernel: on the device
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     x, res, nw = (torch.randn(1, 256, generator=g) for _ in range(3))
     out, res_out = gemv_add_rms_norm(x.to(device), res.to(device), nw[0].to(device), 1e-6,

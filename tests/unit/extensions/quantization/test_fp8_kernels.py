@@ -226,10 +226,10 @@ def test_pack_fp8_experts() -> None:
 
 
 def test_few_rows_route_by_weight_size() -> None:
-    """1-4 rows run the weight-only GEMV, but the W8A8 GEMM on its 64-row tiles for the
-    widest weights (where the H200 sweep measured it faster); more rows the GEMM's own
-    tiles, or cuBLASLt's block-scaled GEMM where it runs (the switch on, K/128 a multiple of
-    4). Shapes only
+    """1-4 rows run the weight-only GEMV, but 2-4 rows of the widest weights the W8A8 GEMM
+    on its 64-row tiles (where the H200 sweep measured it faster); more rows the GEMM's own
+    tiles, or cuBLASLt's block-scaled GEMM where it runs (the switch on, rows and K/128
+    multiples of 4). Shapes only
     (meta tensors), the kernels replaced by recorders."""
     from unittest import mock
 
@@ -244,8 +244,10 @@ def test_few_rows_route_by_weight_size() -> None:
     cublas = mock.patch.object(
         fp8_gemm, "cublas_fp8_gemm", lambda *a, **kw: calls.append(("cublas", None))
     )
-    # The last: K/128 = 5, not a multiple of 4, which cuBLAS is not given.
-    shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 5), (256, 640, 9))
+    # cuBLAS takes rows in multiples of 4 (9 rows: the Triton GEMM), K/128 a multiple of 4
+    # (the last: 5).
+    shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 8),
+              (6144, 4096, 9), (256, 640, 12))  # fmt: skip
     for runs in (False, True):
         calls.clear()
         probe = mock.patch.object(fp8_cuda, "cublas_block_gemm_runs", lambda d, r=runs: r)
@@ -257,7 +259,8 @@ def test_few_rows_route_by_weight_size() -> None:
                 fp8_cuda.fp8_forward(layer, torch.empty(rows, k, device="meta"), None)
         tiles = fp8_cuda.WIDE_FEW_ROWS_TILES
         last = ("cublas", None) if runs else ("gemm", None)
-        want = [("gemv", None), ("gemm", tiles), ("gemm", tiles), last, ("gemm", None)]
+        want = [("gemv", None), ("gemv", None), ("gemm", tiles), last, ("gemm", None),
+                ("gemm", None)]  # fmt: skip
         assert calls == want, runs
     # The switch turns a device's probed cuBLAS off (an entry as the probe leaves it).
     gpu = torch.device("cuda", 7)
