@@ -125,6 +125,11 @@ def _route(qweight: torch.Tensor, wscale: torch.Tensor, rows: int, device: torch
     return "gemm"
 
 
+def _few_rows_tiles(rows: int) -> tuple[int, int, int, int] | None:
+    """The Triton GEMM's tiles: its 64-row ones for the GEMV's rows it takes, else its own."""
+    return WIDE_FEW_ROWS_TILES if use_fp8_gemv(rows) else None
+
+
 def fp8_forward(
     layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, silu_x: bool = False
 ) -> torch.Tensor:
@@ -133,6 +138,18 @@ def fp8_forward(
     (the GEMV, or the GEMM's activation quantizer; kernels/activation.py's bits)."""
     qweight, wscale = _buffers(layer)
     route = _route(qweight, wscale, x.shape[0], x.device)
+    return _product(qweight, wscale, x, bias, route, silu_x)
+
+
+def _product(
+    qweight: torch.Tensor,
+    wscale: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    route: str,
+    silu_x: bool,
+) -> torch.Tensor:
+    """The product on ``route`` (`_route`)."""
     if route == "gemv":
         from minisgl.extensions.quantization.kernels import fp8_gemv
 
@@ -141,7 +158,7 @@ def fp8_forward(
 
     if route == "cublas":
         return fp8_gemm.cublas_fp8_gemm(x, qweight, wscale, bias, silu_x=silu_x)
-    tiles = WIDE_FEW_ROWS_TILES if use_fp8_gemv(x.shape[0]) else None
+    tiles = _few_rows_tiles(x.shape[0])
     return fp8_gemm.fp8_gemm(x, qweight, wscale, bias, tiles, silu_x=silu_x)
 
 
@@ -152,10 +169,10 @@ def fp8_silu_forward(
     caller should run SiLU-and-mul's own kernel first: in the GEMV's rows unless ``in_gemv``
     (the engine's fused_silu_down), elsewhere unless MINISGL_FP8_FUSED_ACT."""
     qweight, wscale = _buffers(layer)
-    gemv = _route(qweight, wscale, gate_up.shape[0], gate_up.device) == "gemv"
-    if not (in_gemv if gemv else FP8_FUSED_ACT.get()):
+    route = _route(qweight, wscale, gate_up.shape[0], gate_up.device)
+    if not (in_gemv if route == "gemv" else FP8_FUSED_ACT.get()):
         return None
-    return fp8_forward(layer, gate_up, bias, silu_x=True)
+    return _product(qweight, wscale, gate_up, bias, route, silu_x=True)
 
 
 def fp8_norm_forward(
@@ -182,7 +199,7 @@ def fp8_norm_forward(
     q, qs, res = add_rms_norm_quant(x, residual, norm_weight, eps, column_major=cublas)
     if cublas:
         return fp8_gemm.cublas_quantized_gemm(q, qs, qweight, wscale, bias, x.dtype), res
-    tiles = WIDE_FEW_ROWS_TILES if use_fp8_gemv(x.shape[0]) else None
+    tiles = _few_rows_tiles(x.shape[0])
     return fp8_gemm.quantized_gemm(q, qs, qweight, wscale, bias, x.dtype, tiles), res
 
 
