@@ -121,14 +121,15 @@ def _launch(
     eps: float,
     scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``scales`` [rows, D / 128] (any strides): the output is e4m3, quantized per 128
-    columns into them (`add_rms_norm_quant`)."""
+    """``scales`` [rows (or more), D / 128] (any strides): the output is e4m3, quantized per
+    128 columns into them, with as many rows as they have (`add_rms_norm_quant`)."""
     d = x.shape[-1]
     assert weight.shape == (d,) and weight.is_contiguous(), (weight.shape, d)
     assert weight.device == x.device
     # Same dtype rule as `weight * normed` in torch: x.dtype whenever the weight matches it.
     dtype = torch.promote_types(x.dtype, weight.dtype) if scales is None else torch.float8_e4m3fn
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    shape = x.shape if scales is None else (scales.shape[0], d)  # padded rows stay unwritten
+    out = torch.empty(shape, dtype=dtype, device=x.device)
     res_out = None
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (
@@ -185,10 +186,13 @@ def add_rms_norm_quant(
     """(e4m3 q, float32 scales [N, D/128], x + residual (x without one)): the normed rows
     of `fused_add_rms_norm` (their bits) quantized per 128 columns as an FP8 GEMM's
     activation quantizer does it (dynamic: scale = the group's max-abs / 448), in the norm's
-    pass over memory. x [N, D], D % 128 == 0. ``column_major``: the scales' N stride is 1."""
+    pass over memory. x [N, D], D % 128 == 0. ``column_major``: cuBLASLt's layout, the
+    scales' N stride 1 and q and the scales with N rounded up to a multiple of 4 (the pad
+    rows unwritten; see extensions/quantization/kernels/fp8_gemm.cublas_rows)."""
     rows, d = x.shape
     assert d % 128 == 0 and x.dtype == weight.dtype
-    s = torch.empty((d // 128, rows) if column_major else (rows, d // 128), dtype=torch.float32,
+    padded = -(-rows // 4) * 4 if column_major else rows
+    s = torch.empty((d // 128, padded) if column_major else (padded, d // 128), dtype=torch.float32,
                     device=x.device)  # fmt: skip
     s = s.t() if column_major else s
     q, res_out = _launch(x, residual, weight, eps, s)

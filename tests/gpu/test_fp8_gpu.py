@@ -31,7 +31,7 @@ from minisgl.extensions.quantization import (
 )
 from tests.fp8_checkpoints import write_fp8
 from tests.helpers import assert_engine_clean, make_tiny_model, teacher_forced_agreement
-from tests.unit.extensions.quantization.test_fp8_kernels import gemm_case, gemv_case
+from tests.unit.extensions.quantization.test_fp8_kernels import fp8_weights, gemm_case, gemv_case
 from tests.unit.extensions.quantization.test_fp8_moe import assert_fp8_moe, fp8_moe_case
 
 pytestmark = [
@@ -57,14 +57,38 @@ def test_fp8_gemm_8b_shapes(n: int, k: int) -> None:
 
 @pytest.mark.parametrize(("n", "k"), SHAPES_8B)
 def test_cublas_fp8_gemm_8b_shapes(n: int, k: int) -> None:
-    """cuBLASLt's block-scaled FP8 GEMM, which fp8_cuda routes 8+ rows (a multiple of 4) of
-    block-scaled weights to where this torch and CUDA run it, within the same bounds."""
+    """cuBLASLt's block-scaled FP8 GEMM, which fp8_cuda routes 5+ rows of block-scaled
+    weights to where this torch and CUDA run it (odd row counts padded to a multiple of 4),
+    within the same bounds."""
     from minisgl.extensions.quantization.fp8_cuda import cublas_block_gemm_runs
 
     if not cublas_block_gemm_runs(CUDA):
         pytest.skip("this torch/CUDA build's _scaled_mm has no 1x128 x 128x128 scaling")
-    for rows in (8, 64, 300, 2048):
-        gemm_case(rows, n, k, 128, 128, torch.bfloat16, rows == 64, CUDA, cublas=True)
+    for rows in (5, 8, 37, 64, 301, 2048):
+        gemm_case(rows, n, k, 128, 128, torch.bfloat16, rows == 37, CUDA, cublas=True)
+
+
+def test_cublas_norm_quantized_rows_pad() -> None:
+    """The RMSNorm that quantizes into cuBLASLt's padded layout (fp8_cuda.fp8_norm_forward)
+    gives the bits of the plain norm then cublas_fp8_gemm, at row counts that pad."""
+    from minisgl.extensions.quantization import fp8_cuda
+    from minisgl.extensions.quantization.kernels.fp8_gemm import cublas_fp8_gemm
+    from minisgl.kernels.norm import fused_add_rms_norm
+
+    if not fp8_cuda.cublas_block_gemm_runs(CUDA):
+        pytest.skip("this torch/CUDA build's _scaled_mm has no 1x128 x 128x128 scaling")
+    q, s, _ = fp8_weights(1024, 512, 128, 128, 4)
+    layer = torch.nn.Module()
+    fp8_cuda.set_fp8_buffers(layer, q.to(CUDA), s.to(CUDA))
+    g = torch.Generator().manual_seed(5)
+    w = (torch.rand(512, generator=g) + 0.5).bfloat16().to(CUDA)
+    for rows in (5, 37, 301):
+        x, r = ((torch.randn(rows, 512, generator=g) * 3).bfloat16().to(CUDA) for _ in range(2))
+        got = fp8_cuda.fp8_norm_forward(layer, x, r, w, 1e-6, None)
+        assert got is not None and got[0].shape == (rows, 1024)
+        normed, res = fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(got[0], cublas_fp8_gemm(normed, q.to(CUDA), s.to(CUDA)))
+        assert torch.equal(got[1], res)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])

@@ -50,7 +50,7 @@ def _probe_cublas(device: torch.device) -> bool:
     from minisgl.extensions.quantization.kernels import fp8_gemm
 
     g = torch.Generator(device=device).manual_seed(0)
-    for m, n, k in ((40, 256, 512), (36, 384, 1024)):  # row counts the route takes
+    for m, n, k in ((40, 256, 512), (37, 384, 1024)):  # 37: the pad rows of cublas_rows
         x = torch.randn(m, k, device=device, generator=g).bfloat16()
         w = torch.randn(n, k, device=device, generator=g).to(E4M3)
         s = torch.rand(n // GROUP, k // GROUP, device=device, generator=g) + 0.5
@@ -117,10 +117,9 @@ def _route(qweight: torch.Tensor, wscale: torch.Tensor, rows: int, device: torch
     # that shape disagreed with the Triton GEMM.
     k_groups = wscale.shape[1]
     blocks = wscale.shape[0] * GROUP == qweight.shape[0] and k_groups * GROUP == qweight.shape[1]
-    # rows % 4: cuBLASLt asks the activation scales' leading dimension (rows, torch's layout
-    # check) in whole 16 bytes (CUBLAS_STATUS_NOT_SUPPORTED at 37 rows on the H100).
-    cublas_rows = rows >= CUBLAS_MIN_ROWS and rows % 4 == 0
-    if blocks and k_groups % 4 == 0 and cublas_rows and cublas_block_gemm_runs(device):
+    # Any row count: the activations are quantized with rows padded to a multiple of 4
+    # (kernels/fp8_gemm.cublas_rows), as cuBLASLt asks.
+    if blocks and k_groups % 4 == 0 and rows >= CUBLAS_MIN_ROWS and cublas_block_gemm_runs(device):
         return "cublas"
     return "gemm"
 
@@ -198,7 +197,7 @@ def fp8_norm_forward(
     cublas = route == "cublas"
     q, qs, res = add_rms_norm_quant(x, residual, norm_weight, eps, column_major=cublas)
     if cublas:
-        return fp8_gemm.cublas_quantized_gemm(q, qs, qweight, wscale, bias, x.dtype), res
+        return fp8_gemm.cublas_quantized_gemm(q, qs, qweight, wscale, bias, x.dtype, len(x)), res
     tiles = _few_rows_tiles(x.shape[0])
     return fp8_gemm.quantized_gemm(q, qs, qweight, wscale, bias, x.dtype, tiles), res
 

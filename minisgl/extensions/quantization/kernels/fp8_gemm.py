@@ -23,6 +23,14 @@ GROUP = 128
 E4M3_MAX = 448.0
 
 
+def cublas_rows(rows: int) -> int:
+    """Rows of cuBLASLt's block-scaled operands: a multiple of 4, since it asks the activation
+    scales' leading dimension (M, column-major) in whole 16 bytes (CUBLAS_STATUS_NOT_SUPPORTED
+    at 37 rows on an H100) and torch refuses padded strides. The pad rows may hold anything:
+    each output row reads only its own activation row, and `cublas_quantized_gemm` drops them."""
+    return -(-rows // 4) * 4
+
+
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, rows, groups, stride_xm, stride_sm, stride_sg,
                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, SILU: tl.constexpr,
@@ -47,15 +55,17 @@ def quantize_groups(
     x: torch.Tensor, column_major: bool = False, silu_x: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K % 128 == 0) -> (e4m3 [M, K], float32 scales [M, K/128]), x ~ q * scale.
-    ``column_major``: the scales' M stride is 1 (the layout cuBLASLt's block scaling reads).
-    ``silu_x``: x is a gated MLP's [M, 2K] [gate | up], and what is quantized is
-    silu(gate) * up as kernels/activation.py computes it (bit for bit), never stored."""
+    ``column_major``: cuBLASLt's layout (`cublas_rows`): the scales' M stride is 1, and both
+    outputs have `cublas_rows(M)` rows, the pad rows unwritten. ``silu_x``: x is a gated
+    MLP's [M, 2K] [gate | up], and what is quantized is silu(gate) * up as
+    kernels/activation.py computes it (bit for bit), never stored."""
     rows, k_dim = x.shape
     k_dim = k_dim // 2 if silu_x else k_dim
     assert k_dim % GROUP == 0 and x.stride(1) == 1
     groups = k_dim // GROUP
-    q = torch.empty(rows, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((groups, rows) if column_major else (rows, groups), dtype=torch.float32,
+    padded = cublas_rows(rows) if column_major else rows
+    q = torch.empty(padded, k_dim, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((groups, padded) if column_major else (padded, groups), dtype=torch.float32,
                     device=x.device)  # fmt: skip
     s = s.t() if column_major else s
     if rows:
@@ -189,7 +199,7 @@ def cublas_fp8_gemm(
     wrong on an H100 (benchmark/RESULTS.md, 2026-12-06)."""
     x = x if x.stride(1) == 1 else x.contiguous()
     q, qs = quantize_groups(x, column_major=True, silu_x=silu_x)
-    return cublas_quantized_gemm(q, qs, weight, scales, bias, x.dtype)
+    return cublas_quantized_gemm(q, qs, weight, scales, bias, x.dtype, x.shape[0])
 
 
 def cublas_quantized_gemm(
@@ -199,9 +209,11 @@ def cublas_quantized_gemm(
     scales: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    rows: int,
 ) -> torch.Tensor:
-    """`cublas_fp8_gemm` of activations already quantized (``qs`` column-major)."""
+    """`cublas_fp8_gemm` of activations already quantized in cuBLASLt's layout (`cublas_rows`
+    rows, ``qs`` column-major), of which the first ``rows`` are real."""
     f = torch.nn.functional
     out = f.scaled_mm(q, weight.t(), qs, f.ScalingType.BlockWise1x128, scales.t(),
-                      f.ScalingType.BlockWise128x128, output_dtype=out_dtype)  # fmt: skip
+                      f.ScalingType.BlockWise128x128, output_dtype=out_dtype)[:rows]  # fmt: skip
     return out if bias is None else out.add_(bias)  # the bias outside: not every recipe takes one

@@ -146,9 +146,13 @@ def check_fp8_silu_mul_on_the_way_in(device: torch.device) -> None:
         g = torch.Generator().manual_seed(rows)
         gate_up = (torch.randn(rows, 768, generator=g) * 3).bfloat16().to(device)
         h = silu_and_mul(gate_up)
-        for got, want in zip(quantize_groups(gate_up, silu_x=True), quantize_groups(h)):
-            assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
-                               want.view(torch.uint8) if want.dtype == E4M3 else want)  # fmt: skip
+        for column_major in (False, True):  # cuBLASLt's layout: rows padded to 4, 4, 12
+            pairs = zip(quantize_groups(gate_up, column_major, silu_x=True), quantize_groups(h))
+            for got, want in pairs:
+                assert len(got) == (-(-rows // 4) * 4 if column_major else rows)
+                got = got[:rows]
+                assert torch.equal(got.view(torch.uint8) if got.dtype == E4M3 else got,
+                                   want.view(torch.uint8) if want.dtype == E4M3 else want)  # fmt: skip
         assert torch.equal(fp8_gemm(gate_up, q, s, silu_x=True), fp8_gemm(h, q, s))
         if rows <= 4:
             assert torch.equal(fp8_gemv(gate_up, q, s, silu_x=True), fp8_gemv(h, q, s))
@@ -171,8 +175,10 @@ def check_fp8_norm_quantizes_its_output(device: torch.device) -> None:
         want_q, want_s = quantize_groups(normed)
         for column_major in (False, True):
             q, s, got_res = add_rms_norm_quant(x, res, w, 1e-6, column_major)
-            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-            assert torch.equal(s, want_s) and (s.stride(0) == 1) == column_major
+            # cuBLASLt's layout pads the rows to a multiple of 4 (fp8_gemm.cublas_rows).
+            assert len(q) == len(s) == (8 if column_major else 5)
+            assert torch.equal(q[:5].view(torch.uint8), want_q.view(torch.uint8))
+            assert torch.equal(s[:5], want_s) and (s.stride(0) == 1) == column_major
             assert torch.equal(got_res, want_res)
 
 
@@ -228,9 +234,9 @@ def test_pack_fp8_experts() -> None:
 def test_few_rows_route_by_weight_size() -> None:
     """1-4 rows run the weight-only GEMV, but 2-4 rows of the widest weights the W8A8 GEMM
     on its 64-row tiles (where the H200 sweep measured it faster); more rows the GEMM's own
-    tiles, or cuBLASLt's block-scaled GEMM where it runs (the switch on, rows and K/128
-    multiples of 4). Shapes only
-    (meta tensors), the kernels replaced by recorders."""
+    tiles, or cuBLASLt's block-scaled GEMM where it runs (the switch on, K/128 a multiple
+    of 4; any row count, padded). Shapes only (meta tensors), the kernels replaced by
+    recorders."""
     from unittest import mock
 
     from minisgl.extensions.quantization import FP8_CUBLAS, fp8_cuda
@@ -244,8 +250,7 @@ def test_few_rows_route_by_weight_size() -> None:
     cublas = mock.patch.object(
         fp8_gemm, "cublas_fp8_gemm", lambda *a, **kw: calls.append(("cublas", None))
     )
-    # cuBLAS takes rows in multiples of 4 (9 rows: the Triton GEMM), K/128 a multiple of 4
-    # (the last: 5).
+    # cuBLAS takes K/128 a multiple of 4 (the last: 5), any rows (9: padded to 12).
     shapes = ((6144, 4096, 1), (24576, 4096, 1), (24576, 4096, 4), (6144, 4096, 8),
               (6144, 4096, 9), (256, 640, 12))  # fmt: skip
     for runs in (False, True):
@@ -259,8 +264,7 @@ def test_few_rows_route_by_weight_size() -> None:
                 fp8_cuda.fp8_forward(layer, torch.empty(rows, k, device="meta"), None)
         tiles = fp8_cuda.WIDE_FEW_ROWS_TILES
         last = ("cublas", None) if runs else ("gemm", None)
-        want = [("gemv", None), ("gemv", None), ("gemm", tiles), last, ("gemm", None),
-                ("gemm", None)]  # fmt: skip
+        want = [("gemv", None), ("gemv", None), ("gemm", tiles), last, last, ("gemm", None)]
         assert calls == want, runs
     # The switch turns a device's probed cuBLAS off (an entry as the probe leaves it).
     gpu = torch.device("cuda", 7)

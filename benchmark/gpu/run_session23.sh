@@ -1,0 +1,40 @@
+#!/bin/bash
+# Session 23: cuBLAS FP8 at any row count (the quantizers pad rows to a multiple of 4).
+# PART=a (about 9 minutes): the GPU suite, then the offline workload on Qwen3-8B-FP8 with
+# this tree and with `old/` (the tree before the padding, carried). PART=b: the offline
+# workload on Qwen3-8B bf16, Qwen3-30B-A3B-FP8 and Qwen3-30B-A3B, then Qwen3-8B-FP8 again;
+# batch 1 for Qwen3-8B-FP8 and Qwen3-8B. Dummy weights. Run from the repo root on the device.
+export PYTHONUNBUFFERED=1
+T0=$SECONDS
+t() { echo "[$((SECONDS - T0)) s] $*"; }
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+off() {  # tree model [env]
+  [ $((SECONDS - T0)) -lt ${LIMIT:-480} ] || { t "skip $*"; return; }
+  t "offline $*"
+  local log=$OUT/off_$1_$2_${3//=/_}.log
+  (cd $1 && env PYTHONPATH=$PWD:$PYTHONPATH $3 timeout 110 python3 benchmark/offline/bench.py \
+    --model benchmark/configs/$2 --load-format dummy) > $log 2>&1
+  grep "tok/s" $log | head -1; grep -E "Error" $log | tail -2
+}
+lat() {  # model
+  [ $((SECONDS - T0)) -lt ${LIMIT:-480} ] || { t "skip batch 1 $1"; return; }
+  echo "batch 1 $1: $(PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python3 \
+    benchmark/offline/bench_latency.py --model benchmark/configs/$1 --load-format dummy 2>&1 |
+    grep -iE "ms/token|error" | tail -1)"
+}
+if [ "${PART:-a}" = a ]; then
+  t "GPU suite"
+  PYTHONPATH=$PWD:$PYTHONPATH timeout ${SUITE_S:-330} python3 -m pytest -q -m gpu -n 4 \
+    --dist loadfile -o addopts="" tests > $OUT/suite.log 2>&1
+  tail -15 $OUT/suite.log | grep -E "passed|failed|FAILED|Error"
+  off . Qwen3-8B-FP8
+  off old Qwen3-8B-FP8
+else
+  off . Qwen3-8B
+  off . Qwen3-30B-A3B-FP8
+  off . Qwen3-30B-A3B
+  off . Qwen3-8B-FP8
+  lat Qwen3-8B-FP8
+  lat Qwen3-8B
+fi
+t done
