@@ -2,8 +2,9 @@
 # Session 23: cuBLAS FP8 at any row count (the quantizers pad rows to a multiple of 4).
 # PART=a (about 9 minutes): the GPU suite, then the offline workload on Qwen3-8B-FP8 with
 # this tree and with `old/` (the tree before the padding, carried). PART=b: the offline
-# workload on Qwen3-8B bf16, Qwen3-30B-A3B-FP8 and Qwen3-30B-A3B, then Qwen3-8B-FP8 again;
-# batch 1 for Qwen3-8B-FP8 and Qwen3-8B. Dummy weights. Run from the repo root on the device.
+# workload on Qwen3-8B bf16, Qwen3-30B-A3B-FP8 and Qwen3-30B-A3B; batch 1 for Qwen3-8B-FP8 and
+# Qwen3-8B. PART=c: profile_steps.py on 30B-A3B FP8 and bf16, then 8B-FP8 offline again.
+# Dummy weights. Run from the repo root on the device.
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
 t() { echo "[$((SECONDS - T0)) s] $*"; }
@@ -29,12 +30,19 @@ if [ "${PART:-a}" = a ]; then
   tail -15 $OUT/suite.log | grep -E "passed|failed|FAILED|Error"
   off . Qwen3-8B-FP8
   off old Qwen3-8B-FP8
-else
+elif [ "$PART" = b ]; then
   off . Qwen3-8B
   off . Qwen3-30B-A3B-FP8
   off . Qwen3-30B-A3B
-  off . Qwen3-8B-FP8
   lat Qwen3-8B-FP8
   lat Qwen3-8B
+else  # c: where a 30B-A3B offline step's GPU time goes, FP8 and bf16
+  for m in Qwen3-30B-A3B-FP8 Qwen3-30B-A3B; do
+    [ $((SECONDS - T0)) -lt ${LIMIT:-480} ] || break
+    t "profile $m"
+    PYTHONPATH=$PWD:$PYTHONPATH timeout 200 python3 benchmark/gpu/profile_steps.py \
+      --mode offline --model benchmark/configs/$m 2>&1 | grep -vE "Warning|warn" | tail -54
+  done
+  off . Qwen3-8B-FP8
 fi
 t done
