@@ -3,7 +3,7 @@
 # PART=a (about 9 minutes): the GPU suite, then the offline workload on Qwen3-8B-FP8 with
 # this tree and with `old/` (the tree before the padding, carried). PART=b: the offline
 # workload on Qwen3-8B bf16, Qwen3-30B-A3B-FP8 and Qwen3-30B-A3B; batch 1 for Qwen3-8B-FP8 and
-# Qwen3-8B. PART=c: profile_steps.py on 30B-A3B FP8 and bf16, then 8B-FP8 offline again.
+# Qwen3-8B. PART=c: profile_steps.py (offline windows) on 30B-A3B and 8B, FP8 and bf16.
 # Dummy weights. Run from the repo root on the device.
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
@@ -36,13 +36,12 @@ elif [ "$PART" = b ]; then
   off . Qwen3-30B-A3B
   lat Qwen3-8B-FP8
   lat Qwen3-8B
-else  # c: where a 30B-A3B offline step's GPU time goes, FP8 and bf16
-  for m in Qwen3-30B-A3B-FP8 Qwen3-30B-A3B; do
+else  # c: where an offline step's GPU time goes, FP8 and bf16
+  for m in ${MODELS:-Qwen3-30B-A3B-FP8 Qwen3-30B-A3B Qwen3-8B-FP8 Qwen3-8B}; do
     [ $((SECONDS - T0)) -lt ${LIMIT:-480} ] || break
     t "profile $m"
     PYTHONPATH=$PWD:$PYTHONPATH timeout 200 python3 benchmark/gpu/profile_steps.py \
       --mode offline --model benchmark/configs/$m 2>&1 | grep -vE "Warning|warn" | tail -54
   done
-  off . Qwen3-8B-FP8
 fi
 t done
