@@ -24,6 +24,8 @@ CATEGORIES = (
     ("attn_decode", ("_decode_split",)),
     ("attn_reduce", ("_decode_reduce",)),
     ("attn_extend", ("_extend_kernel",)),
+    ("moe", ("moe", "align")),
+    ("quant", ("quant",)),
     ("gemm", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "sm90", "cublas", "splitk")),
     ("norm", ("rms_norm",)),
     ("rope", ("rope",)),
