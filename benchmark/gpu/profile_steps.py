@@ -109,12 +109,12 @@ def gaps(llm: LLM) -> None:
     forward = engine.forward
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
 
-    def timed_forward(layout, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def timed_forward(step, *args, **kwargs):  # type: ignore[no-untyped-def]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = forward(layout, *args, **kwargs)
+        out = forward(step, *args, **kwargs)
         end.record()
-        marks.append((start, end, len(layout.req_rows)))
+        marks.append((start, end, len(step.input_ids)))
         return out
 
     engine.forward = timed_forward  # type: ignore[method-assign]
@@ -129,13 +129,13 @@ def gaps(llm: LLM) -> None:
         f"wall {wall:.3f} s over {len(marks)} steps: GPU inside steps {sum(inside) / 1e3:.3f} s, "
         f"idle between steps {sum(between) / 1e3:.3f} s"
     )
-    for lo, hi in ((0, 32), (32, 96), (96, 192), (192, 257)):
+    for lo, hi in ((0, 96), (96, 257), (257, 2049), (2049, 1 << 20)):
         sel = [i for i, (_, _, b) in enumerate(marks[:-1]) if lo <= b < hi]
         if sel:
             ins = sum(inside[i] for i in sel)
             gap = sum(between[i] for i in sel)
             print(
-                f"  rows {lo}-{hi - 1}: {len(sel)} steps, inside {ins / len(sel):.3f} ms/step, "
+                f"  tokens {lo}-{hi - 1}: {len(sel)} steps, inside {ins / len(sel):.3f} ms/step, "
                 f"gap after {gap / len(sel):.3f} ms/step"
             )
     big = sorted(range(len(inside)), key=lambda i: -inside[i])[:5]
