@@ -15,24 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path.cwd()))  # the tree in the working directory (new or old)
 
+from benchmark.gpu.bench_gemv import graph_time_us  # noqa: E402
 from minisgl.kernels.moe import _block_m, moe_align_block_size  # noqa: E402
-
-
-def time_us(fn, reps: int = 50) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (5 * reps)
 
 
 def main() -> None:
@@ -45,7 +29,7 @@ def main() -> None:
         logits = torch.randn(tokens, args.experts, device="cuda", generator=g)
         ids = torch.topk(logits, args.top_k, dim=1).indices
         block_m = _block_m(ids.numel(), args.experts)
-        us = time_us(lambda i=ids, b=block_m: moe_align_block_size(i, args.experts, b))
+        us = graph_time_us(lambda i=ids, b=block_m: moe_align_block_size(i, args.experts, b))
         print(f"tokens {tokens:6d} (BLOCK_M {block_m}): {us:8.1f} us")
 
 

@@ -53,10 +53,11 @@ def check_align_block_size(device: torch.device) -> None:
     from minisgl.kernels.moe import max_padded_pairs, moe_align_block_size
 
     g = torch.Generator().manual_seed(0)
-    # Then many chunks of pairs (30B-A3B's 128 experts; 60, not a power of 2) and top-1 ids
-    # whose flat view is strided.
-    cases = ((7, 8, 2, 16), (50, 4, 2, 64), (1, 64, 8, 16), (0, 8, 2, 16), (300, 128, 8, 16))
-    for t, e, k, bm in (*cases, (257, 60, 4, 32), (129, 3, 1, 16)):
+    # The last three: many chunks of pairs (30B-A3B's 128 experts; 60, not a power of 2) and
+    # top-1 ids, whose flat view is strided.
+    cases = [(7, 8, 2, 16), (50, 4, 2, 64), (1, 64, 8, 16), (0, 8, 2, 16)]
+    cases += [(300, 128, 8, 16), (257, 60, 4, 32), (129, 3, 1, 16)]
+    for t, e, k, bm in cases:
         ids = torch.rand(t, e, generator=g).argsort(dim=1)[:, :k]  # k distinct experts
         sorted_pairs, block_expert, num_padded = moe_align_block_size(ids.to(device), e, bm)
         sorted_pairs, block_expert = sorted_pairs.cpu().long(), block_expert.cpu().long()
