@@ -1,5 +1,5 @@
-"""Time kernels/moe.moe_align_block_size (the routed pairs grouped by expert, each run padded
-to BLOCK_M) at Qwen3-30B-A3B's routing (128 experts, top-8), inside a CUDA graph: the cost a
+"""Time kernels/moe_align.moe_align_block_size (the routed pairs grouped by expert, each run
+padded to BLOCK_M) at Qwen3-30B-A3B's routing (128 experts, top-8), inside a CUDA graph: the cost a
 MoE layer pays before its two GEMMs, at decode and prefill token counts.
 
     python benchmark/gpu/bench_moe_align.py [--experts 128 --top-k 8]
@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, str(Path.cwd()))  # the tree in the working directory (new or old)
 
 from benchmark.gpu.bench_gemv import graph_time_us  # noqa: E402
-from minisgl.kernels.moe import _block_m, moe_align_block_size  # noqa: E402
+from minisgl.kernels.moe import _block_m  # noqa: E402
+from minisgl.kernels.moe_align import moe_align_block_size  # noqa: E402
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1
 T0=$SECONDS
 t() { echo "[$((SECONDS - T0)) s] $*"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-md5sum minisgl/kernels/moe.py
+md5sum minisgl/kernels/moe.py minisgl/kernels/moe_align.py
 t "align"
 timeout 60 python3 benchmark/gpu/bench_moe_align.py
 t "MoE GPU tests"

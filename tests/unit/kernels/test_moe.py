@@ -50,7 +50,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def check_align_block_size(device: torch.device) -> None:
-    from minisgl.kernels.moe import max_padded_pairs, moe_align_block_size
+    from minisgl.kernels.moe_align import max_padded_pairs, moe_align_block_size
 
     g = torch.Generator().manual_seed(0)
     # The last three: many chunks of pairs (30B-A3B's 128 experts; 60, not a power of 2) and

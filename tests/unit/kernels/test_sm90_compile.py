@@ -76,6 +76,21 @@ def fp8_moe_gemm(block_m: int, scalar_bs: bool) -> None:
     _compile(_moe_gemm_kernel, sig, consts, 4, 3)
 
 
+def moe_align(experts: int) -> None:
+    """The MoE alignment's two kernels at the chunk size moe_align_block_size picks."""
+    from minisgl.kernels.moe_align import _ALIGN_ONE_HOT, _align_count_kernel, _align_place_kernel
+
+    chunk = max(16, min(128, _ALIGN_ONE_HOT // experts))
+    sig = {"ids_ptr": "*i32", "chunk_counts_ptr": "*i32", "sorted_ptr": "*i32",
+           "num_pairs": _I32, "max_padded": _I32}  # fmt: skip
+    _compile(_align_count_kernel, sig, dict(E_POW2=experts, CHUNK=chunk, PDL=True), 4, 1)
+    sig = {"ids_ptr": "*i32", "chunk_counts_ptr": "*i32", "counts_through_ptr": "*i32",
+           "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
+           "num_pairs": _I32, "num_blocks": _I32}  # fmt: skip
+    consts = dict(NUM_EXPERTS=experts, E_POW2=experts, BLOCK_M=16, CHUNK=chunk, PDL=True)
+    _compile(_align_place_kernel, sig, consts, 4, 1)
+
+
 def fp8_gemm(ws_mode: int) -> None:
     from minisgl.extensions.quantization.kernels.fp8_gemm import _fp8_gemm_kernel
 
@@ -130,6 +145,8 @@ CASES = {
     "fp8_moe_m16": functools.partial(fp8_moe_gemm, 16, True),
     "fp8_moe_m64": functools.partial(fp8_moe_gemm, 64, True),
     "fp8_moe_m64_vector_scales": functools.partial(fp8_moe_gemm, 64, False),
+    "moe_align_8": functools.partial(moe_align, 8),
+    "moe_align_128": functools.partial(moe_align, 128),
     "fp8_gemm_outer_scales": functools.partial(fp8_gemm, 0),
     "fp8_gemm_block_scales": functools.partial(fp8_gemm, 1),
     "fp8_gemm_row_scales": functools.partial(fp8_gemm, 2),
