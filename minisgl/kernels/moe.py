@@ -1,8 +1,9 @@
 """Fused mixture-of-experts for CUDA: block alignment plus a grouped GEMM in Triton.
 
 The T x top_k (token, expert) pairs are grouped by expert and each expert's run is padded to
-a multiple of BLOCK_M ("align", kernels/moe_align.py), so every M-block of the grouped GEMM belongs to exactly one
-expert and reads that expert's weight tile. Two launches of one kernel then do the work:
+a multiple of BLOCK_M ("align", kernels/moe_align.py), so every M-block of the grouped GEMM
+belongs to exactly one expert and reads that expert's weight tile. Two launches of one kernel
+then do the work:
 
   gate_up: x[pair // top_k] @ w13[e].T -> silu(gate) * up  (fused, [P, I] written once)
   down:    act[pair] @ w2[e].T * routing_weight[pair]       ([P, H])
