@@ -1,7 +1,8 @@
 #!/bin/bash
-# A/B of branch moe-align-triton (the MoE alignment in two Triton kernels, no torch.sort)
+# A/B of a branch of the MoE alignment (moe-align-triton, merged in 171da4f; now
+# moe-align-expert-major: the chunk counts expert-major)
 # against this tree. Carry the branch as `br/`:
-#   rm -rf br && mkdir br && git archive moe-align-triton | tar -x -C br   (br/ in .git/info/exclude)
+#   rm -rf br && mkdir br && git archive moe-align-expert-major | tar -x -C br   (br/ in .git/info/exclude)
 # Then on the device: the MoE GPU tests on the branch, bench_moe_align.py on both trees, and
 # the offline workload on Qwen3-30B-A3B-FP8 and Qwen3-30B-A3B, main then branch, twice.
 export PYTHONUNBUFFERED=1
