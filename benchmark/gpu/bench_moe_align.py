@@ -1,6 +1,6 @@
 """Time kernels/moe_align.moe_align_block_size (the routed pairs grouped by expert, each run
-padded to BLOCK_M) at Qwen3-30B-A3B's routing (128 experts, top-8), inside a CUDA graph: the cost a
-MoE layer pays before its two GEMMs, at decode and prefill token counts.
+padded to BLOCK_M) at Qwen3-30B-A3B's routing (128 experts, top-8), inside a CUDA graph: the
+cost a MoE layer pays before its two GEMMs, at decode and prefill token counts.
 
     python benchmark/gpu/bench_moe_align.py [--experts 128 --top-k 8]
 """

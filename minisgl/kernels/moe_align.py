@@ -23,8 +23,9 @@ def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
 
 
-# One program per chunk of pairs: a [chunk, experts] one-hot in registers.
-_ALIGN_ONE_HOT = 8192
+def align_chunk(e_pow2: int) -> int:
+    """Pairs per program: each holds a [chunk, experts] one-hot in registers (8,192 entries)."""
+    return max(16, min(128, 8192 // e_pow2))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_padded"])
@@ -97,7 +98,7 @@ def moe_align_block_size(
     max_padded = max_padded_pairs(num_pairs, num_experts, block_m)
     num_blocks = cdiv(max_padded, block_m)
     e_pow2 = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(128, _ALIGN_ONE_HOT // e_pow2))
+    chunk = align_chunk(e_pow2)
     chunks = max(1, cdiv(num_pairs, chunk))
     chunk_counts = torch.empty(chunks, e_pow2, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=dev)

@@ -78,9 +78,9 @@ def fp8_moe_gemm(block_m: int, scalar_bs: bool) -> None:
 
 def moe_align(experts: int) -> None:
     """The MoE alignment's two kernels at the chunk size moe_align_block_size picks."""
-    from minisgl.kernels.moe_align import _ALIGN_ONE_HOT, _align_count_kernel, _align_place_kernel
+    from minisgl.kernels.moe_align import _align_count_kernel, _align_place_kernel, align_chunk
 
-    chunk = max(16, min(128, _ALIGN_ONE_HOT // experts))
+    chunk = align_chunk(experts)
     sig = {"ids_ptr": "*i32", "chunk_counts_ptr": "*i32", "sorted_ptr": "*i32",
            "num_pairs": _I32, "max_padded": _I32}  # fmt: skip
     _compile(_align_count_kernel, sig, dict(E_POW2=experts, CHUNK=chunk, PDL=True), 4, 1)
