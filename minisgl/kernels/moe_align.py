@@ -41,16 +41,16 @@ def _align_count_kernel(
     pdl_wait(PDL)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E_POW2)  # E_POW2: no expert
     hot = (ids[:, None] == experts[None, :]).to(tl.int32)
-    tl.store(chunk_counts_ptr + pid * E_POW2 + experts, tl.sum(hot, axis=0))
+    tl.store(chunk_counts_ptr + experts * tl.num_programs(0) + pid, tl.sum(hot, axis=0))
     for s0 in range(pid * CHUNK, max_padded, tl.num_programs(0) * CHUNK):
         slots = s0 + tl.arange(0, CHUNK)
         tl.store(sorted_ptr + slots, num_pairs, mask=slots < max_padded)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "last_chunk"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_place_kernel(
     ids_ptr, chunk_counts_ptr, counts_through_ptr, sorted_ptr, block_expert_ptr,
-    num_padded_ptr, num_pairs, num_blocks, last_chunk, NUM_EXPERTS: tl.constexpr,
+    num_padded_ptr, num_pairs, num_blocks, NUM_EXPERTS: tl.constexpr,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Each pair of a chunk to its expert's padded start + its rank among that expert's pairs
@@ -59,12 +59,14 @@ def _align_place_kernel(
     experts = tl.arange(0, E_POW2)
     offs = pid * CHUNK + tl.arange(0, CHUNK)
     pdl_wait(PDL)
-    # counts_through: chunk_counts summed over chunks 0..c (row c); the last row: all pairs.
-    counts = tl.load(counts_through_ptr + last_chunk * E_POW2 + experts)
+    # Both [E_POW2, chunks]; counts_through: chunk_counts summed over chunks 0..c (column c),
+    # so its last column counts all pairs.
+    chunks = tl.num_programs(0)
+    counts = tl.load(counts_through_ptr + experts * chunks + chunks - 1)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
-    mine = tl.load(chunk_counts_ptr + pid * E_POW2 + experts)
-    earlier = tl.load(counts_through_ptr + pid * E_POW2 + experts) - mine
+    mine = tl.load(chunk_counts_ptr + experts * chunks + pid)
+    earlier = tl.load(counts_through_ptr + experts * chunks + pid) - mine
     base = padded_end - padded + earlier  # this chunk's first slot per expert
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=E_POW2)
     hot = (ids[:, None] == experts[None, :]).to(tl.int32)
@@ -100,7 +102,7 @@ def moe_align_block_size(
     e_pow2 = triton.next_power_of_2(num_experts)
     chunk = align_chunk(e_pow2)
     chunks = max(1, cdiv(num_pairs, chunk))
-    chunk_counts = torch.empty(chunks, e_pow2, dtype=torch.int32, device=dev)
+    chunk_counts = torch.empty(e_pow2, chunks, dtype=torch.int32, device=dev)
     sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=dev)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
@@ -108,10 +110,11 @@ def moe_align_block_size(
         flat, chunk_counts, sorted_pairs, num_pairs, max_padded, E_POW2=e_pow2, CHUNK=chunk,
         **pdl_args(),
     )  # fmt: skip
-    counts_through = torch.cumsum(chunk_counts, 0, dtype=torch.int32)
+    # Along the contiguous dimension: torch scans an outer one a thread per column, serially.
+    counts_through = torch.cumsum(chunk_counts, 1, dtype=torch.int32)
     _align_place_kernel[(chunks,)](
         flat, chunk_counts, counts_through, sorted_pairs, block_expert, num_padded, num_pairs,
-        num_blocks, chunks - 1, NUM_EXPERTS=num_experts, E_POW2=e_pow2, BLOCK_M=block_m,
+        num_blocks, NUM_EXPERTS=num_experts, E_POW2=e_pow2, BLOCK_M=block_m,
         CHUNK=chunk, **pdl_args(),
     )  # fmt: skip
     return sorted_pairs, block_expert, num_padded

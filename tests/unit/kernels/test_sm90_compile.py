@@ -86,7 +86,7 @@ def moe_align(experts: int) -> None:
     _compile(_align_count_kernel, sig, dict(E_POW2=experts, CHUNK=chunk, PDL=True), 4, 1)
     sig = {"ids_ptr": "*i32", "chunk_counts_ptr": "*i32", "counts_through_ptr": "*i32",
            "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "num_padded_ptr": "*i32",
-           "num_pairs": _I32, "num_blocks": _I32, "last_chunk": _I32}  # fmt: skip
+           "num_pairs": _I32, "num_blocks": _I32}  # fmt: skip
     consts = dict(NUM_EXPERTS=experts, E_POW2=experts, BLOCK_M=16, CHUNK=chunk, PDL=True)
     _compile(_align_place_kernel, sig, consts, 4, 1)
 
