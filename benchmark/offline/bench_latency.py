@@ -3,7 +3,8 @@
     python benchmark/offline/bench_latency.py --model benchmark/configs/Qwen3-8B --load-format dummy
 
 ms/token = (time for 1 + N tokens - time for 1 token) / N, for one request with a 128-token
-prompt, greedy, ignore_eos; each measured as the best of a few repeats.
+prompt, ignore_eos, greedy unless --temperature is given; each measured as the best of a few
+repeats.
 """
 
 from __future__ import annotations
@@ -19,13 +20,12 @@ from benchmark.report import add_engine_arg, emit, engine_options  # noqa: E402
 from minisgl import LLM, SamplingParams  # noqa: E402
 
 
-def timed(llm: LLM, prompt: list[int], n: int, repeats: int) -> float:
+def timed(llm: LLM, prompt: list[int], n: int, repeats: int, temperature: float = 0.0) -> float:
     best = float("inf")
+    params = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True)
     for _ in range(repeats):
         t0 = time.perf_counter()
-        llm.generate(
-            [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
-        )
+        llm.generate([prompt], params, use_tqdm=False)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     add_engine_arg(ap)
     ap.add_argument("--output", default=None)
     ap.add_argument(
@@ -67,18 +68,20 @@ def main() -> None:
     options = engine_options(args.engine_arg, load_format=args.load_format, context_length=4096)
     llm = LLM(args.model, **options)  # type: ignore[arg-type]
     prompt = [(7 * i) % 1000 + 10 for i in range(128)]
-    timed(llm, prompt, 8, 1)  # warm-up
-    first = timed(llm, prompt, 1, args.repeats)
-    total = timed(llm, prompt, 1 + args.tokens, args.repeats)
+    temp = args.temperature
+    timed(llm, prompt, 8, 1, temp)  # warm-up
+    first = timed(llm, prompt, 1, args.repeats, temp)
+    total = timed(llm, prompt, 1 + args.tokens, args.repeats, temp)
     ms = (total - first) / args.tokens * 1000
     result = {
         "bench": "latency_bs1",
         "model": args.model or "default",
         "ttft_ms": round(first * 1000, 2),
         "decode_ms_per_token": round(ms, 3),
+        "temperature": temp,
         "options": options,
     }
-    print(f"TTFT {first * 1000:.1f} ms, decode {ms:.3f} ms/token")
+    print(f"TTFT {first * 1000:.1f} ms, decode {ms:.3f} ms/token (temperature {temp})")
     emit(result, args.output)
 
 

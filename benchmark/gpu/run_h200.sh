@@ -1,0 +1,42 @@
+#!/bin/bash
+# The H200 acceptance figures of issues 25 and 28, dummy weights, this tree only. Run from the
+# repo root on the device (about 9 minutes a part).
+# PART=25: the offline workload on Qwen3-0.6B, bf16 and fp8_e4m3 KV interleaved twice; batch 1
+#   for Qwen3-0.6B and Qwen3-8B, greedy and at temperature 0.6; the decode-attention sweep.
+# PART=28: the offline workload on Qwen3-8B-FP8, Qwen3-8B, Qwen3-30B-A3B-FP8, Qwen3-30B-A3B;
+#   batch 1 for Qwen3-8B-FP8, greedy and at temperature 0.6.
+# PART=suite: the GPU suite.
+export PYTHONUNBUFFERED=1
+T0=$SECONDS
+t() { echo "[$((SECONDS - T0)) s] $*"; }
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
+go() { [ $((SECONDS - T0)) -lt ${LIMIT:-500} ] || { t "skip $*"; return 1; }; }
+off() {  # model [engine-arg]
+  go "offline $*" || return
+  t "offline $*"
+  PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 benchmark/offline/bench.py \
+    --model benchmark/configs/$1 --load-format dummy ${2:+--engine-arg $2} 2>&1 |
+    grep -E "tok/s|Error" | head -2
+}
+lat() {  # model temperature
+  go "batch 1 $*" || return
+  echo "batch 1 $*: $(PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 \
+    benchmark/offline/bench_latency.py --model benchmark/configs/$1 --load-format dummy \
+    --temperature $2 2>&1 | grep -iE "ms/token|error" | tail -1)"
+}
+case ${PART:-25} in
+25)
+  for i in 1 2; do off Qwen3-0.6B; off Qwen3-0.6B kv_cache_dtype=fp8_e4m3; done
+  for m in Qwen3-0.6B Qwen3-8B; do lat $m 0; lat $m 0.6; done
+  go sweep && PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 benchmark/gpu/sweep_decode.py \
+    --quick 2>&1 | grep -v "^  " ;;
+28)
+  for m in Qwen3-8B-FP8 Qwen3-8B Qwen3-30B-A3B-FP8 Qwen3-30B-A3B; do off $m; done
+  lat Qwen3-8B-FP8 0; lat Qwen3-8B-FP8 0.6 ;;
+suite)
+  t "GPU suite"
+  PYTHONPATH=$PWD:$PYTHONPATH timeout ${SUITE_S:-330} python3 -m pytest -q -m gpu -n 4 \
+    --dist loadfile -o addopts="" tests > $OUT/suite.log 2>&1
+  tail -15 $OUT/suite.log | grep -E "passed|failed|FAILED|Error" ;;
+esac
+t done
