@@ -5,6 +5,7 @@
 #   for Qwen3-0.6B and Qwen3-8B, greedy and at temperature 0.6; the decode-attention sweep.
 # PART=28: the offline workload on Qwen3-8B-FP8, Qwen3-8B, Qwen3-30B-A3B-FP8, Qwen3-30B-A3B;
 #   batch 1 for Qwen3-8B-FP8, greedy and at temperature 0.6.
+# PART=bs1: batch 1, greedy and at temperature 0.6, for each of $MODELS.
 # PART=suite: the GPU suite.
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
@@ -33,6 +34,8 @@ case ${PART:-25} in
 28)
   for m in Qwen3-8B-FP8 Qwen3-8B Qwen3-30B-A3B-FP8 Qwen3-30B-A3B; do off $m; done
   lat Qwen3-8B-FP8 0; lat Qwen3-8B-FP8 0.6 ;;
+bs1)
+  for m in ${MODELS:-Qwen3-0.6B Qwen3-8B Qwen3-8B-FP8}; do lat $m 0; lat $m 0.6; done ;;
 suite)
   t "GPU suite"
   PYTHONPATH=$PWD:$PYTHONPATH timeout ${SUITE_S:-330} python3 -m pytest -q -m gpu -n 4 \
