@@ -1,7 +1,8 @@
 #!/bin/bash
 # The H200 acceptance figures of issues 25 and 28, dummy weights, this tree only. Run from the
 # repo root on the device (about 9 minutes a part).
-# PART=25: the offline workload on Qwen3-0.6B, bf16 and fp8_e4m3 KV interleaved twice; batch 1
+# PART=25: the offline workload on Qwen3-0.6B, bf16 and fp8_e4m3 KV interleaved twice (also
+#   with the tree carried as ./base where there is one, e.g. `git archive af7c41f`); batch 1
 #   for Qwen3-0.6B and Qwen3-8B, greedy and at temperature 0.6; the decode-attention sweep.
 # PART=28: the offline workload on Qwen3-8B-FP8, Qwen3-8B, Qwen3-30B-A3B-FP8, Qwen3-30B-A3B;
 #   batch 1 for Qwen3-8B-FP8, greedy and at temperature 0.6.
@@ -12,12 +13,12 @@ T0=$SECONDS
 t() { echo "[$((SECONDS - T0)) s] $*"; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader
 go() { [ $((SECONDS - T0)) -lt ${LIMIT:-500} ] || { t "skip $*"; return 1; }; }
-off() {  # model [engine-arg]
+off() {  # model [engine-arg] [tree]
   go "offline $*" || return
   t "offline $*"
-  PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 benchmark/offline/bench.py \
+  (cd ${3:-.} && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 benchmark/offline/bench.py \
     --model benchmark/configs/$1 --load-format dummy ${2:+--engine-arg $2} 2>&1 |
-    grep -E "tok/s|Error" | head -2
+    grep -E "tok/s|Error" | head -2)
 }
 lat() {  # model temperature
   go "batch 1 $*" || return
@@ -27,7 +28,11 @@ lat() {  # model temperature
 }
 case ${PART:-25} in
 25)
-  for i in 1 2; do off Qwen3-0.6B; off Qwen3-0.6B kv_cache_dtype=fp8_e4m3; done
+  for i in 1 2; do
+    off Qwen3-0.6B; off Qwen3-0.6B kv_cache_dtype=fp8_e4m3
+    # The old tree, where carried as ./base (issue 25 compares old and new in one call).
+    if [ -d base ]; then off Qwen3-0.6B "" base; off Qwen3-0.6B kv_cache_dtype=fp8_e4m3 base; fi
+  done
   for m in Qwen3-0.6B Qwen3-8B; do lat $m 0; lat $m 0.6; done
   go sweep && PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 benchmark/gpu/sweep_decode.py \
     --quick 2>&1 | grep -v "^  " ;;
