@@ -1,6 +1,6 @@
 #!/bin/bash
-# The H200 acceptance figures of issues 25 and 28, dummy weights, this tree only. Run from the
-# repo root on the device (about 9 minutes a part).
+# The H200 acceptance figures of issues 25 and 28, dummy weights, this tree (and ./base where
+# carried). Run from the repo root on the device (about 9 minutes a part).
 # PART=25: the offline workload on Qwen3-0.6B, bf16 and fp8_e4m3 KV interleaved twice (also
 #   with the tree carried as ./base where there is one, e.g. `git archive af7c41f`); batch 1
 #   for Qwen3-0.6B and Qwen3-8B, greedy and at temperature 0.6; the decode-attention sweep.
