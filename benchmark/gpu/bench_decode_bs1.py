@@ -1,18 +1,21 @@
 """Decode attention at batch 1: the latency of one layer's split + reduce launches, over
 tiles and the split plan's minimum chunk, for the contexts a batch-1 chat sees.
 
-    python benchmark/gpu/bench_decode_bs1.py [--contexts 200 1000 4000]
+    python benchmark/gpu/bench_decode_bs1.py [--contexts 200 1000 4000] [--batches 1 4]
 
 At batch 1 the kernel moves little data (200 tokens of 8 KV heads: 0.8 MB in bf16) and its
 time is the latency of its dependent loads (page table, then K/V) per tile a program walks.
 Each variant is captured as a CUDA graph of ``--layers`` launches in a row, as a step makes
 them (with PDL where the engine uses it), and timed per launch; its output is checked
-against the engine's launch. Heads of Qwen3-0.6B (16 / 8) and Qwen3-8B (32 / 8), D 128.
+against the first variant's. Heads of Qwen3-0.6B (16 / 8) and Qwen3-8B (32 / 8), D 128;
+``--batches``: rows of the same context (the tiles are picked by the split axis, which
+depends on the batch size only). "engine" marks the engine's pick at this commit.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -20,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# (BLOCK_N, warps, stages, min_split_tokens); the first is the engine's launch at batch 1.
+# (BLOCK_N, warps, stages, min_split_tokens); the first was the engine's at batch 1 before
+# FEW_ROWS_SPLITS (attention/triton_plan.py).
 VARIANTS = [
     (32, 4, 2, 64),
     (64, 4, 2, 64),
@@ -33,32 +37,33 @@ VARIANTS = [
 ]
 
 
-def make_case(context: int, hq: int, hk: int, d: int = 128) -> dict[str, torch.Tensor]:
+def make_case(
+    context: int, hq: int, hk: int, batch: int = 1, d: int = 128
+) -> dict[str, torch.Tensor]:
     g = torch.Generator(device="cuda").manual_seed(0)
-    pool = 4 * context + 1
+    pool = 4 * context * batch + 1
     k = torch.randn(pool, hk, d, device="cuda", generator=g).to(torch.bfloat16)
     v = torch.randn(pool, hk, d, device="cuda", generator=g).to(torch.bfloat16)
-    slots = torch.randperm(pool, device="cuda", generator=g)[:context].to(torch.int32)
+    slots = torch.randperm(pool, device="cuda", generator=g)[: context * batch].to(torch.int32)
     return {
-        "q": torch.randn(1, hq, d, device="cuda", generator=g).to(torch.bfloat16),
+        "q": torch.randn(batch, hq, d, device="cuda", generator=g).to(torch.bfloat16),
         "k": k,
         "v": v,
-        "table": slots.view(1, context),
-        "rows": torch.zeros(1, device="cuda", dtype=torch.int32),
-        "lens": torch.full((1,), context, device="cuda", dtype=torch.int32),
+        "table": slots.view(batch, context),
+        "rows": torch.arange(batch, device="cuda", dtype=torch.int32),
+        "lens": torch.full((batch,), context, device="cuda", dtype=torch.int32),
     }
 
 
 def launcher(case: dict[str, torch.Tensor], variant: tuple[int, int, int, int]):  # noqa: ANN201
-    from minisgl.attention.triton_plan import decode_split_cap, plan_decode_splits
+    from minisgl.attention.triton_plan import plan_decode_splits
     from minisgl.kernels.decode_attention import decode_attention
 
     block_n, warps, stages, min_split = variant
     hk = case["k"].shape[1]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cap = decode_split_cap(1, hk, sms, 16)
-    context = int(case["table"].shape[1])
-    plan = plan_decode_splits([context], hk, sms, cap, min_split, block_n, batch=1)
+    batch, context = case["table"].shape
+    cap = engine_cap(batch, hk)
+    plan = plan_decode_splits([context] * batch, hk, sms(), cap, min_split, block_n, batch=batch)
     splits = torch.tensor(plan, device="cuda", dtype=torch.int32)
     out = torch.empty_like(case["q"])
 
@@ -70,6 +75,17 @@ def launcher(case: dict[str, torch.Tensor], variant: tuple[int, int, int, int]):
         )  # fmt: skip
 
     return run, plan[0]
+
+
+def sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def engine_cap(batch: int, hk: int) -> int:
+    from minisgl.attention.base import padded_batch_size
+    from minisgl.attention.triton_plan import decode_split_cap
+
+    return decode_split_cap(padded_batch_size(batch), hk, sms(), 16)
 
 
 def time_graph(run, layers: int, reps: int = 50) -> float:  # noqa: ANN001
@@ -96,22 +112,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--contexts", type=int, nargs="+", default=[200, 1000, 4000])
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1])
     args = ap.parse_args()
+    from minisgl.attention.triton_plan import decode_tiles
+
     print(f"device {torch.cuda.get_device_name()}")
-    for hq, hk in ((16, 8), (32, 8)):
-        for context in args.contexts:
-            case = make_case(context, hq, hk)
-            ref = None
-            cells = []
-            for variant in VARIANTS:
-                run, splits = launcher(case, variant)
-                got = run().float().clone()
-                ref = got if ref is None else ref
-                err = ((got - ref).norm() / ref.norm()).item()
-                us = time_graph(run, args.layers)
-                bad = "" if err < 1e-2 else f" ERR {err:.1e}"
-                cells.append(f"{variant} s{splits} {us:.2f}{bad}")
-            print(f"Hq {hq} Hk {hk} context {context}: " + "; ".join(cells), flush=True)
+    for hq, hk, batch, context in itertools.product((16, 32), (8,), args.batches, args.contexts):
+        case = make_case(context, hq, hk, batch)
+        engine = (*decode_tiles(engine_cap(batch, hk)), 64)
+        ref = None
+        cells = []
+        for variant in [engine] + [v for v in VARIANTS if v != engine]:
+            run, splits = launcher(case, variant)
+            got = run().float().clone()
+            ref = got if ref is None else ref
+            err = ((got - ref).norm() / ref.norm()).item()
+            us = time_graph(run, args.layers)
+            bad = "" if err < 1e-2 else f" ERR {err:.1e}"
+            tag = "engine " if variant == engine else ""
+            cells.append(f"{tag}{variant} s{splits} {us:.2f}{bad}")
+        print(f"Hq {hq} Hk {hk} B{batch} x {context}: " + "; ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
