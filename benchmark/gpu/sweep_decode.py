@@ -46,12 +46,16 @@ def copy_bandwidth() -> float:
 
 
 def shapes(quick: bool) -> list[tuple[str, list[int]]]:
-    out = [(f"B{b}x{n}", [n] * b) for b, n in ((256, 1024), (64, 4096), (8, 4096), (1, 4096))]
+    """The offline workload's real ragged batches first (issue 25's bandwidth criterion is
+    read on them), then uniform ones; small batches last (host-bound under do_bench)."""
+    out = []
     prompts, max_tokens = workload()
     for step in (0, 320, 640) if not quick else (320,):
         lens = [len(p) + step for p, m in zip(prompts, max_tokens) if m > step]
         out.append((f"offline@{step}(B{len(lens)})", lens))
-    return out
+    return out + [
+        (f"B{b}x{n}", [n] * b) for b, n in ((256, 1024), (64, 4096), (8, 4096), (1, 4096))
+    ]
 
 
 def variants(fp8: bool, has_modes: bool) -> list[tuple[int, tuple[int, int, int]]]:
