@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmark.gpu.bench_gemv import graph_time_us  # noqa: E402
 
 # (BLOCK_N, warps, stages, min_split_tokens); the first was the engine's at batch 1 before
 # FEW_ROWS_SPLITS (attention/triton_plan.py).
@@ -88,24 +91,9 @@ def engine_cap(batch: int, hk: int) -> int:
     return decode_split_cap(padded_batch_size(batch), hk, sms(), 16)
 
 
-def time_graph(run, layers: int, reps: int = 50) -> float:  # noqa: ANN001
-    """µs per launch of ``layers`` launches captured in one graph (median of ``reps``)."""
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(layers):
-            run()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / layers)
-    return sorted(times)[len(times) // 2]
+def time_graph(run: Callable[[], object], layers: int) -> float:
+    """µs per launch of ``layers`` launches captured in one graph (bench_gemv's timing)."""
+    return graph_time_us(lambda: [run() for _ in range(layers)]) / layers
 
 
 def main() -> None:
