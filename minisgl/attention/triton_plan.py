@@ -36,6 +36,9 @@ DECODE_WAVES = 4
 # since a mixed CUDA graph pads them to its row capacity (greedy tokens must not change
 # with graphs off). Up to this many chunks, of at least MIXED_SPLIT_TOKENS each.
 MIXED_DECODE_SPLITS = 4
+# The split axis of the smallest decode batches (1 to 4 rows on a 132-SM GPU, the
+# backend's default max_kv_splits): decode_tiles gives them their own tile.
+FEW_ROWS_SPLITS = 16
 MIXED_SPLIT_TOKENS = 1024
 
 
@@ -89,7 +92,10 @@ def decode_tiles(max_splits: int, fp8: bool = False) -> tuple[int, int, int]:
     batches (H200 sweep) unsplit rows stream KV best in 128-token tiles (3.8 TB/s vs 3.4
     with 32-token ones); split small batches prefer shorter tiles, since their chunks are
     short. ``fp8``: a one-byte cache read through fp8_kv.py's conversion (tiles of the
-    same tokens hold half the bytes; loaded straight to registers, one stage)."""
+    same tokens hold half the bytes; loaded straight to registers, one stage). The widest
+    split axis (batches of a few rows) is latency, not bandwidth: a program walks one or
+    two tiles, and one 64-token tile with no pipelining stage ends soonest (bf16, batch 1,
+    contexts of 200 to 4,000 tokens: benchmark/gpu/bench_decode_bs1.py, RESULTS.md)."""
     if fp8:
         if max_splits == 1:
             return 128, 4, 1
@@ -98,6 +104,8 @@ def decode_tiles(max_splits: int, fp8: bool = False) -> tuple[int, int, int]:
         return 128, 4, 3
     if max_splits <= 4:
         return 64, 4, 2
+    if max_splits >= FEW_ROWS_SPLITS:
+        return 64, 4, 1
     return 32, 4, 2
 
 
