@@ -223,11 +223,14 @@ class Engine:
         # Every index this step needs travels in one pinned buffer and one copy.
         rows_and_steps = (sample.table_rows, sample.steps) if sample else ((), ())
         fills = (fill.positions, fill.sources) if fill else ((), ())
+        table = (step.table.rows, step.table.cols, step.table.values) if step.table else ()
         segments: list[Segment] = [step.input_ids, step.positions, step.out_slots, logits_index]
         staged = self.stager.stage(
-            [*segments, prev_pos, prev_rows, *rows_and_steps, *fills], torch.long
+            [*segments, prev_pos, prev_rows, *rows_and_steps, *fills, *table], torch.long
         )
         ids, pos, slots, logits_idx, prev_pos_d, prev_rows_d, table_rows, steps = staged[:8]
+        if table:  # the page table's new entries, before anything reads the table
+            self.page_table[staged[10], staged[11]] = staged[12]
         if step.from_previous:
             ids[prev_pos_d] = self.last_tokens[prev_rows_d]
         if fill is not None and fill.positions:

@@ -53,6 +53,17 @@ class LogitsHook:
 
 
 @dataclass(frozen=True)
+class TableUpdate:
+    """Page-table entries the scheduler changed on its host copy since the last step
+    (int64, host): the engine writes ``table[rows[i], cols[i]] = values[i]`` on the device,
+    in the step's one staged copy, before the step reads the table."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StepInput:
     layout: BatchLayout
     input_ids: list[int]  # every new token, rows back to back (placeholders where filled)
@@ -64,6 +75,7 @@ class StepInput:
     fill: DeviceFill | None = None
     sample: SampleRequest | None = None
     hooks: tuple[LogitsHook, ...] = ()
+    table: TableUpdate | None = None
 
 
 @dataclass
@@ -89,10 +101,12 @@ class PendingStep:
         self.sizes = [len(h) for h in hooks]
         tensors += [t for h in hooks for t in h]
         self.event: torch.cuda.Event | None = None
-        if any(t is not None and t.device.type == "cuda" for t in tensors):
+        on_cuda = next((t for t in tensors if t is not None and t.device.type == "cuda"), None)
+        if on_cuda is not None:
             tensors = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
             self.event = torch.cuda.Event()
-            self.event.record()
+            # The stream by device index: a bare record() looks the current device up first.
+            self.event.record(torch.cuda.current_stream(on_cuda.device.index))
         self.tensors = tensors
 
     def result(self) -> StepOutput:

@@ -37,6 +37,7 @@ class DeviceStager:
         self._ring: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._next = 0
         self._ring_size = ring
+        self._index: int | None = device.index  # resolved on the first CUDA staging
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         """A pinned byte buffer no pending copy reads from (grown when too small)."""
@@ -50,10 +51,22 @@ class DeviceStager:
                 return buf
         buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8, pin_memory=True)
         if i < len(self._ring):
-            self._ring[i] = (buf, None)
+            self._ring[i] = (buf, self._ring[i][1])  # its event is kept for the next record
         else:
             self._ring.append((buf, None))
         return buf
+
+    def _record(self, slot: int) -> None:
+        """Mark the slot's buffer as read by the copy just issued. The slot's event is made
+        once and re-recorded, on the stream named by device index: the current-device
+        lookup behind a bare ``record()`` costs more host time than the copy itself."""
+        buf, event = self._ring[slot]
+        if event is None:
+            event = torch.cuda.Event()
+            self._ring[slot] = (buf, event)
+        if self._index is None:
+            self._index = torch.cuda.current_device()
+        event.record(torch.cuda.current_stream(self._index))
 
     def stage(self, segments: Sequence[Segment], dtype: torch.dtype) -> list[torch.Tensor]:
         """Device tensors holding ``segments`` (views of one buffer, each 16-byte aligned)."""
@@ -83,9 +96,7 @@ class DeviceStager:
         for a, off in zip(arrays, offsets):
             host[off : off + len(a)] = a
         dev = raw[: total * itemsize].view(dtype).to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._ring[slot] = (raw, event)
+        self._record(slot)
         return dev, [dev[off : off + len(a)] for a, off in zip(arrays, offsets)]
 
 

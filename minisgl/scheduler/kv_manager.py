@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from minisgl.engine.step import TableUpdate
 from minisgl.kernels.staging import DeviceStager
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.naive_cache import NaiveCache
@@ -179,16 +180,22 @@ class KVManager:
         req.kv_len = req.alloc_len = req.tree_len = 0
 
     # ------------------------------------------------------------ device mirror
+    def take_updates(self) -> TableUpdate | None:
+        """The host table's changes since the last call, for the device copy (None: none,
+        or the table lives on the host); the step that carries them writes them."""
+        dirty, self._dirty = self._dirty, []
+        if not dirty or self.device_table is self.host_table:
+            return None
+        rows = torch.cat([r for r, _ in dirty]) if len(dirty) > 1 else dirty[0][0]
+        cols = torch.cat([c for _, c in dirty]) if len(dirty) > 1 else dirty[0][1]
+        return TableUpdate(rows, cols, self.host_table[rows, cols])
+
     def flush(self) -> None:
-        if not self._dirty:
-            return
-        if self.device_table is not self.host_table:
-            rows = torch.cat([r for r, _ in self._dirty])
-            cols = torch.cat([c for _, c in self._dirty])
-            # One pinned buffer, one copy: rows, cols and values side by side.
-            r, c, v = self.stager.stage([rows, cols, self.host_table[rows, cols]], torch.long)
-            self.device_table[r, c] = v
-        self._dirty.clear()
+        """Write the host table's changes to the device table now (one staged copy)."""
+        update = self.take_updates()
+        if update is not None:
+            staged = self.stager.stage([update.rows, update.cols, update.values], torch.long)
+            self.device_table[staged[0], staged[1]] = staged[2]
 
     def slots(self, req: Req, start: int, end: int) -> torch.Tensor:
         return self.host_table[req.row, start:end]

@@ -44,7 +44,11 @@ class StepBuilder:
 
     def build(self, rows: list[Row]) -> tuple[StepInput, Launched]:
         """Nothing here waits for the device."""
-        self.kv.flush()
+        # The page table's new entries travel in the step's one staged copy, unless a draft
+        # model reads the table before the step runs (it launches below).
+        table = self.kv.take_updates() if self.speculator is None else None
+        if self.speculator is not None:
+            self.kv.flush()
         layout = BatchLayout(
             req_rows=[r.req.row for r in rows],
             prefix_lens=[r.req.kv_len for r in rows],
@@ -75,6 +79,7 @@ class StepBuilder:
             drafts.fill if drafts is not None else None,
             sample,
             tuple(hooks),
+            table,
         )
         verify = [r for r in rows if r.drafts]
         lp = prompt_lp if lp_hook is not None else None

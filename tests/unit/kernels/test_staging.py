@@ -88,7 +88,7 @@ def _lagging_stager(
             dev.events += 1
             self.upto: int | None = None
 
-        def record(self) -> None:
+        def record(self, stream: object = None) -> None:
             self.upto = dev.copied + len(dev.pending)  # the copies issued before it
             dev.log.append(("record", self.id))
 
@@ -100,7 +100,9 @@ def _lagging_stager(
     class TorchShim:
         """staging.py's ``torch``: pinned allocation and CUDA events faked on the CPU."""
 
-        cuda = SimpleNamespace(Event=Event)
+        cuda = SimpleNamespace(
+            Event=Event, current_device=lambda: 0, current_stream=lambda index=None: None
+        )
 
         @staticmethod
         def empty(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
@@ -130,11 +132,12 @@ def test_ring_slot_reuse_waits_for_the_copy_that_read_it(
     outs = []
     for i, segments in enumerate(inputs):
         outs.append(stager.stage(segments, torch.int64))
-        # Reusing slot i % 2 first waits on the event of the staging that used it last
-        # (staging i - 2), and on nothing else.
-        want = [("synchronize", i - 2)] if i >= 2 else []
+        # Reusing slot i % 2 first waits on the slot's event, last recorded by the staging
+        # that used it last (staging i - 2), and on nothing else; then records it again.
+        want = [("synchronize", i % 2)] if i >= 2 else []
         assert dev.log[-1 - len(want) : -1] == want, dev.log
-        assert dev.log[-1] == ("record", i)
+        assert dev.log[-1] == ("record", i % 2)
+        assert dev.events == min(i + 1, 2)  # one event per slot, made once
     # Two copies still pending (the device lags); the rest ran, each before its slot's
     # buffer was written again.
     assert len(dev.pending) == 2

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from minisgl import LLM, SamplingParams
 from tests.helpers import assert_engine_clean
@@ -193,3 +194,26 @@ def test_rows_point_at_their_cached_prefix_at_every_step(
     table[req.row, 0] = table[req.row, 0] + 1
     with pytest.raises(AssertionError, match="does not point at its cached prefix"):
         sched.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["page16-chunk16-lpm", "small-pool", "overlap-small-pool-chunk16"])
+def test_device_table_mirror_rides_in_the_step(
+    tiny_models: dict[str, Path], reference: list[list[int]], name: str
+) -> None:
+    """On a GPU the scheduler writes a host copy of the page table and each step carries
+    the new entries to the device table in its one staged copy (StepInput.table). On the
+    CPU both are one tensor; here they are split, so attention reads only what the steps
+    carried: the same greedy tokens, and after the last step the two tables agree."""
+    prompts, params = scheduling_workload()
+    options = {**SCHEDULING_BASE, **VARIANTS[name]}
+    overlap = bool(options.pop("overlap", False))
+    llm = LLM(str(tiny_models["llama"]), **options)
+    kv = llm.scheduler.kv
+    assert kv.device_table is llm.engine.page_table
+    kv.host_table = kv.device_table.clone()  # the GPU layout: a host mirror of its own
+    llm.scheduler.overlap = overlap
+    out = llm.generate(prompts, params)
+    assert [r["token_ids"] for r in out] == reference
+    kv.flush()
+    assert torch.equal(kv.device_table, kv.host_table)
+    assert_engine_clean(llm)
