@@ -3,6 +3,7 @@
 # combined in the split kernel, the page table's updates in the step's one staged copy,
 # cheaper event records) against this tree (main). Carry the branch as `br/`:
 #   rm -rf br && mkdir br && git archive bs1-host | tar -x -C br   (br/ in .git/info/exclude)
+# and run it from the root of main: `LIMIT=500 PART=a bash br/benchmark/gpu/run_bs1_host_ab.sh`.
 # PART=a (about 9 minutes): the branch's GPU checks of what it changes; bench_decode_bs1.py
 #   (tiles x reduction kernel / in-kernel combine, batches 1, 2, 4); host_bs1.py --parts and
 #   batch 1 on Qwen3-0.6B and Qwen3-8B, main / branch interleaved twice.
