@@ -58,10 +58,27 @@ class TritonMetadata:
     packed: torch.Tensor  # the one device buffer every index tensor above is a view of
 
 
+@dataclass
+class _Plan:
+    """A batch's metadata on the host, before it is staged."""
+
+    host: HostIndices
+    is_decode: bool
+    batch: int
+    max_splits: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    @property
+    def dec_rows(self) -> int:
+        return len(self.host.dec_ids)
+
+
 class TritonBackend(AttentionBackend):
     # CUDA graphs (engine/cuda_graph.py) take this backend only: decode launch shapes depend
     # only on the batch size, so a graph captured on one batch's metadata replays any
-    # same-size decode batch after copy_metadata.
+    # same-size decode batch after refresh.
 
     def __init__(
         self,
@@ -159,9 +176,58 @@ class TritonBackend(AttentionBackend):
             aligned_splits(n, w, block_n) if n else 0 for n, w in zip(seq_lens, want)
         ]
 
+    def refresh(
+        self,
+        dst: TritonMetadata,
+        layout: BatchLayout,
+        device: torch.device,
+        pad: ExtendGraphShape | None = None,
+    ) -> None:
+        """Write ``layout``'s metadata into captured ``dst`` in place: a CUDA graph captured
+        on ``dst`` then replays ``layout`` (one host-to-device copy, straight into it)."""
+        fresh = self._plan(layout, device, pad)
+        assert dst.is_decode == fresh.is_decode and dst.batch == fresh.batch
+        assert dst.block_m == fresh.block_m and dst.max_splits == fresh.max_splits
+        assert dst.dec_rows == fresh.dec_rows
+        assert dst.page_table is layout.page_table, "graphs read the engine's one page table"
+        self._stager(device).stage_into(dst.packed, fresh.host.fields())
+
+    def _stager(self, device: torch.device) -> DeviceStager:
+        return self.stager if self.stager is not None else DeviceStager(device)
+
     def _prepare(
         self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
     ) -> TritonMetadata:
+        plan = self._plan(layout, device, pad)
+        # One host-to-device copy for every index the kernels need (views of one buffer:
+        # refresh rewrites a captured graph's with one copy).
+        flat, parts = self._stager(device).stage_flat(plan.host.fields(), torch.int32)
+        return TritonMetadata(
+            is_decode=plan.is_decode,
+            batch=plan.batch,
+            page_table=layout.page_table,
+            row_ids=parts[0],
+            prefix_lens=parts[1],
+            extend_lens=parts[2],
+            seq_lens=parts[3],
+            extend_starts=parts[4],
+            num_splits=parts[5],
+            max_splits=plan.max_splits,
+            block_batch=parts[6],
+            block_qstart=parts[7],
+            block_m=plan.block_m,
+            block_n=plan.block_n,
+            num_warps=plan.warps,
+            packed=flat,
+            dec_rows=plan.dec_rows,
+            dec_row_ids=parts[8],
+            dec_seq_lens=parts[9],
+            dec_tokens=parts[10],
+        )
+
+    def _plan(
+        self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
+    ) -> _Plan:
         host = HostIndices.of(layout)
         bsz = len(host.ext)
         is_decode = layout.is_decode and pad is None
@@ -179,41 +245,8 @@ class TritonBackend(AttentionBackend):
                 max_splits, host.splits = self._plan_mixed_decodes(host.dec_seq)
         if pad is not None:
             host.pad_rows(pad)
-        stager = self.stager if self.stager is not None else DeviceStager(device)
-        # One host-to-device copy for every index the kernels need (views of one buffer:
-        # copy_metadata refreshes a captured graph's with one copy).
-        flat, parts = stager.stage_flat(host.fields(), torch.int32)
-        return TritonMetadata(
-            is_decode=is_decode,
-            batch=bsz if pad is None else pad.rows,
-            page_table=layout.page_table,
-            row_ids=parts[0],
-            prefix_lens=parts[1],
-            extend_lens=parts[2],
-            seq_lens=parts[3],
-            extend_starts=parts[4],
-            num_splits=parts[5],
-            max_splits=max_splits,
-            block_batch=parts[6],
-            block_qstart=parts[7],
-            block_m=block_m,
-            block_n=block_n,
-            num_warps=warps,
-            packed=flat,
-            dec_rows=len(host.dec_ids),
-            dec_row_ids=parts[8],
-            dec_seq_lens=parts[9],
-            dec_tokens=parts[10],
-        )
-
-    def copy_metadata(self, dst: object, src: object) -> None:
-        """Write decode metadata ``src`` into captured ``dst`` in place (one device copy)."""
-        assert isinstance(dst, TritonMetadata) and isinstance(src, TritonMetadata)
-        assert dst.is_decode == src.is_decode and dst.batch == src.batch
-        assert dst.packed.shape == src.packed.shape and dst.block_m == src.block_m
-        assert dst.dec_rows == src.dec_rows and dst.max_splits == src.max_splits
-        assert dst.page_table is src.page_table, "graphs read the engine's one page table"
-        dst.packed.copy_(src.packed, non_blocking=True)
+        batch = bsz if pad is None else pad.rows
+        return _Plan(host, is_decode, batch, max_splits, block_m, block_n, warps)
 
     def forward(
         self,

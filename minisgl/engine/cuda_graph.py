@@ -28,7 +28,7 @@ from minisgl.attention.base import BatchLayout, ForwardBatch, padded_batch_size
 from minisgl.models.decoder import CausalLM
 
 if TYPE_CHECKING:  # triton is imported on CUDA only
-    from minisgl.attention.triton_backend import TritonBackend
+    from minisgl.attention.triton_backend import TritonBackend, TritonMetadata
     from minisgl.attention.triton_plan import ExtendGraphShape
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class CudaGraphRunner:
         self.ext_logits_index = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.metadata: dict[int, object] = {}
+        self.metadata: dict[int, TritonMetadata] = {}
         # Prefill/mixed graphs, by padded token count: row capacity, shape, graph, output.
         self.ext_rows = {t: min(t, self.max_bs) for t in self.token_sizes}
         # A row holds at most context_length tokens (its page-table row is that wide): a
@@ -101,7 +101,7 @@ class CudaGraphRunner:
         ]
         self.ext_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.ext_outputs: dict[int, torch.Tensor] = {}
-        self.ext_metadata: dict[int, object] = {}
+        self.ext_metadata: dict[int, TritonMetadata] = {}
         self.pool = torch.cuda.graph_pool_handle()  # the memory pool the graphs share
         self.replays = {"decode": 0, "extend": 0}  # for tests and logs
         self._capture_all()
@@ -229,8 +229,7 @@ class CudaGraphRunner:
         n = layout.num_tokens
         size = next(s for s in self.token_sizes if s >= n)
         backend = self.engine.attn_backend
-        fresh = backend.prepare_extend_graph(layout, self.engine.device, self._ext_shape(size))
-        backend.copy_metadata(self.ext_metadata[size], fresh)
+        backend.refresh(self.ext_metadata[size], layout, self.engine.device, self._ext_shape(size))
         self._load_inputs(n, size, input_ids, positions, out_slots)
         r = logits_index.shape[0]
         self.ext_logits_index[:r].copy_(logits_index, non_blocking=True)
@@ -259,8 +258,7 @@ class CudaGraphRunner:
             extend_lens=layout.extend_lens + [1] * pad,
             page_table=layout.page_table,
         )
-        fresh = self.engine.attn_backend.prepare(padded, self.engine.device)
-        self.engine.attn_backend.copy_metadata(self.metadata[bs], fresh)
+        self.engine.attn_backend.refresh(self.metadata[bs], padded, self.engine.device)
         self._load_inputs(n, bs, input_ids, positions, out_slots)
         self.graphs[bs].replay()
         self.replays["decode"] += 1

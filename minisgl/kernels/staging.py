@@ -77,27 +77,56 @@ class DeviceStager:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """As ``stage``, plus the one device buffer the views share (views made under
         inference mode do not record their ``_base``)."""
-        np_dtype = _NP_DTYPES[dtype]
-        arrays = [_as_array(s, np_dtype) for s in segments]
-        itemsize = np.dtype(np_dtype).itemsize
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += _aligned(len(a), itemsize)
+        arrays, offsets, total = _layout(segments, dtype)
         if not self.pinned:
             flat = torch.zeros(total, dtype=dtype)
-            host = flat.numpy()
-            for a, off in zip(arrays, offsets):
-                host[off : off + len(a)] = a
+            _fill(flat.numpy(), arrays, offsets)
             return flat, [flat[off : off + len(a)] for a, off in zip(arrays, offsets)]
         slot = self._next
-        raw = self._buffer(total * itemsize)
-        host = raw[: total * itemsize].view(dtype).numpy()
-        for a, off in zip(arrays, offsets):
-            host[off : off + len(a)] = a
-        dev = raw[: total * itemsize].view(dtype).to(self.device, non_blocking=True)
+        host = self._host(total, dtype, arrays, offsets)
+        dev = host.to(self.device, non_blocking=True)
         self._record(slot)
         return dev, [dev[off : off + len(a)] for a, off in zip(arrays, offsets)]
+
+    def stage_into(self, dst: torch.Tensor, segments: Sequence[Segment]) -> None:
+        """Write ``segments`` into ``dst``, a device buffer of ``stage_flat``'s layout for
+        segments of the same lengths (a captured graph's metadata), with one copy."""
+        arrays, offsets, total = _layout(segments, dst.dtype)
+        assert dst.dim() == 1 and dst.numel() == total, (dst.shape, total)
+        if not self.pinned:
+            _fill(dst.numpy(), arrays, offsets)
+            return
+        slot = self._next
+        dst.copy_(self._host(total, dst.dtype, arrays, offsets), non_blocking=True)
+        self._record(slot)
+
+    def _host(
+        self, total: int, dtype: torch.dtype, arrays: list[np.ndarray], offsets: list[int]
+    ) -> torch.Tensor:
+        """The next ring slot's pinned buffer as ``total`` elements holding the segments."""
+        nbytes = total * torch.empty(0, dtype=dtype).element_size()
+        host = self._buffer(nbytes)[:nbytes].view(dtype)
+        _fill(host.numpy(), arrays, offsets)
+        return host
+
+
+def _layout(
+    segments: Sequence[Segment], dtype: torch.dtype
+) -> tuple[list[np.ndarray], list[int], int]:
+    """The segments as arrays, each one's 16-byte-aligned offset, and the elements in all."""
+    np_dtype = _NP_DTYPES[dtype]
+    arrays = [_as_array(s, np_dtype) for s in segments]
+    itemsize = np.dtype(np_dtype).itemsize
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += _aligned(len(a), itemsize)
+    return arrays, offsets, total
+
+
+def _fill(host: np.ndarray, arrays: list[np.ndarray], offsets: list[int]) -> None:
+    for a, off in zip(arrays, offsets):
+        host[off : off + len(a)] = a
 
 
 def _as_array(s: Segment, np_dtype: type) -> np.ndarray:

@@ -335,7 +335,8 @@ def test_decode_replay_with_new_lengths() -> None:
     new = backend.prepare(second.layout, DEVICE)
     assert md.num_splits.tolist() == [2, 1] and new.num_splits.tolist() == [3, 3]
     md.page_table = second.layout.page_table  # an engine has one table for all batches
-    backend.copy_metadata(md, new)
+    backend.refresh(md, second.layout, DEVICE)
+    assert md.num_splits.tolist() == new.num_splits.tolist()
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(2, h, d, generator=g).to(DEVICE) for h in (hq, hk, hk))
     ref_pool = KVPool(LAYERS, second.pool.num_pages, ps, hk, d, torch.float32, DEVICE)
@@ -362,7 +363,7 @@ def test_extend_graph_padding_replays_any_fitting_batch() -> None:
     assert shape.block_m == 16 and shape.tiles == 2 + rows
     md = backend.prepare_extend_graph(other.layout, DEVICE, shape)  # "captured"
     md.page_table = world.layout.page_table
-    backend.copy_metadata(md, backend.prepare_extend_graph(world.layout, DEVICE, shape))
+    backend.refresh(md, world.layout, DEVICE, shape)
     n = sum(world.layout.extend_lens)
     g = torch.Generator().manual_seed(11)
     q = torch.randn(tokens, hq, d, generator=g).to(DEVICE)

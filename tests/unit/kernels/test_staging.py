@@ -33,19 +33,36 @@ def _layout(table: torch.Tensor, rows: list[int], seq: list[int]) -> BatchLayout
     return BatchLayout(rows, [s - 1 for s in seq], [1] * len(seq), table)
 
 
-def test_copy_metadata_refreshes_every_field() -> None:
-    """A captured graph reads the views of its metadata's buffer: copying a fresh batch's
-    metadata in must update every field, made under inference mode as the engine does."""
+def test_refresh_rewrites_every_field_in_place() -> None:
+    """A captured graph reads the views of its metadata's buffer: refreshing it with a new
+    batch must update every field in that buffer (made under inference mode as the engine
+    does), exactly as a fresh prepare lays them out."""
     pool = KVPool(1, 64, 1, 2, 16, torch.float32, torch.device("cpu"))
     table = torch.zeros(8, 64, dtype=torch.int64)
     backend = TritonBackend(pool, stager=DeviceStager(torch.device("cpu")), num_sms=4)
+    layout = _layout(table, [0, 3, 5], [40, 9, 600])
     with torch.inference_mode():
         captured = backend.prepare(_layout(table, [7, 7, 7], [1, 1, 1]), torch.device("cpu"))
-        fresh = backend.prepare(_layout(table, [0, 3, 5], [40, 9, 600]), torch.device("cpu"))
-        backend.copy_metadata(captured, fresh)
+        buffer = captured.packed.data_ptr()
+        backend.refresh(captured, layout, torch.device("cpu"))
+        fresh = backend.prepare(layout, torch.device("cpu"))
+    assert captured.packed.data_ptr() == buffer
     for name in ("row_ids", "prefix_lens", "extend_lens", "seq_lens", "num_splits"):
         assert getattr(captured, name).tolist() == getattr(fresh, name).tolist(), name
     assert captured.seq_lens.tolist() == [40, 9, 600]
+
+
+def test_stage_into_writes_stage_flats_layout() -> None:
+    """stage_into fills a buffer laid out as stage_flat lays out segments of those lengths
+    (each at its 16-byte-aligned offset); a buffer of another size is refused."""
+    stager = DeviceStager(torch.device("cpu"))
+    old: list[Segment] = [[1, 2, 3], np.arange(5), [], [4]]
+    new: list[Segment] = [[9, 8, 7], np.arange(50, 55), [], [6]]
+    flat, views = stager.stage_flat(old, torch.int32)
+    stager.stage_into(flat, new)
+    assert [v.tolist() for v in views] == [np.asarray(s).tolist() for s in new]
+    with pytest.raises(AssertionError):
+        stager.stage_into(flat, [[1, 2, 3, 4, 5]])
 
 
 class _LaggingDevice:
