@@ -13,6 +13,7 @@ from minisgl.attention.triton_plan import (
     MIXED_SPLIT_TOKENS,
     ExtendGraphShape,
     HostIndices,
+    LaunchPlan,
     aligned_splits,
     decode_split_cap,
     decode_tiles,
@@ -56,23 +57,6 @@ class TritonMetadata:
     block_n: int
     num_warps: int
     packed: torch.Tensor  # the one device buffer every index tensor above is a view of
-
-
-@dataclass
-class _Plan:
-    """A batch's metadata on the host, before it is staged."""
-
-    host: HostIndices
-    is_decode: bool
-    batch: int
-    max_splits: int
-    block_m: int
-    block_n: int
-    warps: int
-
-    @property
-    def dec_rows(self) -> int:
-        return len(self.host.dec_ids)
 
 
 class TritonBackend(AttentionBackend):
@@ -227,7 +211,7 @@ class TritonBackend(AttentionBackend):
 
     def _plan(
         self, layout: BatchLayout, device: torch.device, pad: ExtendGraphShape | None
-    ) -> _Plan:
+    ) -> LaunchPlan:
         host = HostIndices.of(layout)
         bsz = len(host.ext)
         is_decode = layout.is_decode and pad is None
@@ -246,7 +230,7 @@ class TritonBackend(AttentionBackend):
         if pad is not None:
             host.pad_rows(pad)
         batch = bsz if pad is None else pad.rows
-        return _Plan(host, is_decode, batch, max_splits, block_m, block_n, warps)
+        return LaunchPlan(host, is_decode, batch, max_splits, block_m, block_n, warps)
 
     def forward(
         self,

@@ -165,3 +165,20 @@ class HostIndices:
 
     def fields(self) -> list[list[int]]:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+@dataclass
+class LaunchPlan:
+    """A batch's attention metadata on the host, before it is staged, and its launch."""
+
+    host: HostIndices
+    is_decode: bool
+    batch: int
+    max_splits: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    @property
+    def dec_rows(self) -> int:
+        return len(self.host.dec_ids)
