@@ -36,10 +36,10 @@ DECODE_WAVES = 4
 # since a mixed CUDA graph pads them to its row capacity (greedy tokens must not change
 # with graphs off). Up to this many chunks, of at least MIXED_SPLIT_TOKENS each.
 MIXED_DECODE_SPLITS = 4
+MIXED_SPLIT_TOKENS = 1024
 # The split axis of the smallest decode batches (1 to 4 rows on a 132-SM GPU, the
 # backend's default max_kv_splits): decode_tiles gives them their own tile.
 FEW_ROWS_SPLITS = 16
-MIXED_SPLIT_TOKENS = 1024
 
 
 def plan_decode_splits(
