@@ -93,6 +93,8 @@ class PageAllocator:
     @staticmethod
     def pages_to_slots(pages: torch.Tensor, page_size: int) -> torch.Tensor:
         """Expand page ids to the token slots they cover, page by page (int64)."""
+        if page_size == 1:
+            return pages.to(torch.int64, copy=True)  # a page is a slot
         offsets = torch.arange(page_size, dtype=torch.int64)
         return (pages.to(torch.int64).unsqueeze(1) * page_size + offsets).reshape(-1)
 
