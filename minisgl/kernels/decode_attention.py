@@ -24,25 +24,17 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _combine(
-    mo_ptr, lse_ptr, n_splits, stride_mo_s, offs_s, offs_d, d_mask, BYPASS_L1: tl.constexpr
-):
+def _combine(mo_ptr, lse_ptr, n_splits, stride_mo_s, offs_s, offs_d, d_mask, CACHE: tl.constexpr):
     """One head's output from its chunks' partial outputs and log-sum-exps (base 2).
-    ``BYPASS_L1``: the chunks were written by other programs of the same launch."""
+    ``CACHE`` ".cg" (past L1) where other programs of the same launch wrote the chunks."""
     s_mask = offs_s < n_splits
-    if BYPASS_L1:
-        lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"))
+    lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
     live = lse > float("-inf")
     m = tl.max(tl.where(live, lse, NEG_BIG), 0)
     w = tl.where(live, tl.exp2(lse - m), 0.0)
     mo = offs_s[:, None] * stride_mo_s + offs_d[None, :]
     mask = s_mask[:, None] & d_mask[None, :]
-    if BYPASS_L1:
-        o = tl.load(mo_ptr + mo, mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        o = tl.load(mo_ptr + mo, mask=mask, other=0.0)
+    o = tl.load(mo_ptr + mo, mask=mask, other=0.0, cache_modifier=CACHE)
     denom = tl.sum(w, 0)
     return tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
 
@@ -159,7 +151,7 @@ def _decode_split_kernel(
                 combined = _combine(
                     mid_o_ptr + b * stride_mo_b + head * stride_mo_h,
                     mid_lse_ptr + b * stride_ml_b + head * stride_ml_h,
-                    n_splits, stride_mo_s, offs_s, offs_d, d_mask, True,
+                    n_splits, stride_mo_s, offs_s, offs_d, d_mask, ".cg",
                 )  # fmt: skip
                 dst = out_ptr + tok * stride_ot + head * stride_oh + offs_d
                 tl.store(dst, combined.to(out_ptr.dtype.element_ty), mask=d_mask)
@@ -185,7 +177,7 @@ def _decode_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     out = _combine(
         mid_o_ptr + b * stride_mo_b + h * stride_mo_h, mid_lse_ptr + b * stride_ml_b + h * stride_ml_h,
-        n_splits, stride_mo_s, offs_s, offs_d, d_mask, False,
+        n_splits, stride_mo_s, offs_s, offs_d, d_mask, "",
     )  # fmt: skip
     dst = out_ptr + tok * stride_ot + h * stride_oh + offs_d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)

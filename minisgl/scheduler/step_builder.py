@@ -46,8 +46,10 @@ class StepBuilder:
         """Nothing here waits for the device."""
         # The page table's new entries travel in the step's one staged copy, unless a draft
         # model reads the table before the step runs (it launches below).
-        table = self.kv.take_updates() if self.speculator is None else None
-        if self.speculator is not None:
+        table = None
+        if self.speculator is None:
+            table = self.kv.take_updates()
+        else:
             self.kv.flush()
         layout = BatchLayout(
             req_rows=[r.req.row for r in rows],
