@@ -172,9 +172,4 @@ FP8_KV_MODE = number(
     "CUDA, fp8 KV cache, 16-bit model: how attention converts fp8 tiles (kernels/fp8_kv.py): "
     "0 upcast to the model dtype (untimed alternatives: 1 cvt, 2 / 3 bit moves, to float16)",
 )
-FUSED_DECODE_REDUCE = flag(
-    "FUSED_DECODE_REDUCE",
-    True,
-    "CUDA: split decode attention combines a row's chunks in its last program, not a kernel",
-)
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

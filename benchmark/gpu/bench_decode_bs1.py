@@ -6,8 +6,7 @@ tiles and the split plan's minimum chunk, for the contexts a batch-1 chat sees.
 At batch 1 the kernel moves little data (200 tokens of 8 KV heads: 0.8 MB in bf16) and its
 time is the latency of its dependent loads (page table, then K/V) per tile a program walks.
 Each variant is captured as a CUDA graph of ``--layers`` launches in a row, as a step makes
-them (with PDL where the engine uses it), and timed per launch, with the reduction kernel
-then with the chunks combined in the split kernel (µs: "reduce / fused"); its output is checked
+them (with PDL where the engine uses it), and timed per launch; its output is checked
 against the first variant's. Heads of Qwen3-0.6B (16 / 8) and Qwen3-8B (32 / 8), D 128;
 ``--batches``: rows of the same context (the tiles are picked by the split axis, which
 depends on the batch size only). "engine" marks the engine's pick at this commit.
@@ -59,9 +58,7 @@ def make_case(
     }
 
 
-def launcher(  # noqa: ANN201
-    case: dict[str, torch.Tensor], variant: tuple[int, int, int, int], fused: bool = False
-):
+def launcher(case: dict[str, torch.Tensor], variant: tuple[int, int, int, int]):  # noqa: ANN201
     from minisgl.attention.triton_plan import plan_decode_splits
     from minisgl.kernels.decode_attention import decode_attention
 
@@ -72,14 +69,12 @@ def launcher(  # noqa: ANN201
     plan = plan_decode_splits([context] * batch, hk, sms(), cap, min_split, block_n, batch=batch)
     splits = torch.tensor(plan, device="cuda", dtype=torch.int32)
     out = torch.empty_like(case["q"])
-    # fused: the chunks combined in the split kernel (its count), not by a second kernel.
-    count = torch.zeros(batch * hk, dtype=torch.int32, device="cuda") if fused else None
 
     def run() -> torch.Tensor:
         return decode_attention(
             case["q"], case["k"], case["v"], case["table"], case["rows"], case["lens"],
             splits, cap, 128**-0.5, block_n=block_n, num_warps=warps, num_stages=stages,
-            out=out, count=count,
+            out=out,
         )  # fmt: skip
 
     return run, plan[0]
@@ -116,16 +111,14 @@ def main() -> None:
         ref = None
         cells = []
         for variant in [engine] + [v for v in VARIANTS if v != engine]:
-            timings = []
-            for fused in (False, True):
-                run, splits = launcher(case, variant, fused)
-                got = run().float().clone()
-                ref = got if ref is None else ref
-                err = ((got - ref).norm() / ref.norm()).item()
-                timings.append(f"{time_graph(run, args.layers):.2f}")
-                timings[-1] += "" if err < 1e-2 else f" ERR {err:.1e}"
+            run, splits = launcher(case, variant)
+            got = run().float().clone()
+            ref = got if ref is None else ref
+            err = ((got - ref).norm() / ref.norm()).item()
+            us = time_graph(run, args.layers)
+            bad = "" if err < 1e-2 else f" ERR {err:.1e}"
             tag = "engine " if variant == engine else ""
-            cells.append(f"{tag}{variant} s{splits} {' / '.join(timings)}")
+            cells.append(f"{tag}{variant} s{splits} {us:.2f}{bad}")
         print(f"Hq {hq} Hk {hk} B{batch} x {context}: " + "; ".join(cells), flush=True)
 
 

@@ -24,16 +24,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 _STRIDES = ("stride_qt", "stride_qh", "stride_cs", "stride_ch", "stride_pt", "stride_mo_b",
-            "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h", "stride_ot",
-            "stride_oh")  # fmt: skip
+            "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h")  # fmt: skip
 _DIV16 = {"stride_qt", "stride_qh", "stride_cs", "stride_ch", "stride_pt", "stride_mo_b",
           "stride_mo_h"}  # fmt: skip
 
 
-def compile_decode(
-    kv: str, mode: int, tiles: tuple[int, int, int], direct: bool, fuse: bool = False
-) -> Any:
-    """The split kernel as the engine launches it; ``fuse``: chunks combined in the kernel."""
+def compile_decode(kv: str, mode: int, tiles: tuple[int, int, int], direct: bool) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,15 +41,13 @@ def compile_decode(
         "q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache, "page_table_ptr": "*i32",
         "row_ids_ptr": "*i32", "seq_lens_ptr": "*i32", "num_splits_ptr": "*i32",
         "q_index_ptr": "*i32", "mid_o_ptr": "*bf16" if direct else "*fp32",
-        "mid_lse_ptr": "*fp32", "qk_scale": "fp32", "v_mul": "fp32", "count_ptr": "*i32",
-        "out_ptr": "*bf16",
+        "mid_lse_ptr": "*fp32", "qk_scale": "fp32", "v_mul": "fp32",
     }  # fmt: skip
     sig.update(dict.fromkeys(_STRIDES, "i32"))
     block_n, warps, stages = tiles
     consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=block_n,
                   DOT_PREC="tf32", UPCAST=False, GATHER=False, DIRECT=direct, KV_F16=mode,
-                  E5M2=False, V_SCALED=mode in (2, 3), ASM=True, PDL=True, FUSE=fuse,
-                  BLOCK_S=16)  # fmt: skip
+                  E5M2=False, V_SCALED=mode in (2, 3), ASM=True, PDL=True)  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = list(sig)
     attrs = {

@@ -8,7 +8,6 @@ import torch
 
 from minisgl.attention.base import AttentionBackend, BatchLayout, padded_batch_size
 from minisgl.attention.triton_plan import (
-    DECODE_WAVES,
     MIXED_DECODE_SPLITS,
     MIXED_SPLIT_TOKENS,
     ExtendGraphShape,
@@ -20,7 +19,7 @@ from minisgl.attention.triton_plan import (
     extend_tiles,
     plan_decode_splits,
 )
-from minisgl.env import FP8_KV_MODE, FUSED_DECODE_REDUCE
+from minisgl.env import FP8_KV_MODE
 from minisgl.kernels import cdiv
 from minisgl.kernels.attention import extend_attention
 from minisgl.kernels.decode_attention import decode_attention
@@ -78,7 +77,6 @@ class TritonBackend(AttentionBackend):
         stager: DeviceStager | None = None,
         fused_kv_store: bool = False,
         fp8_mode: int | None = None,
-        fused_decode_reduce: bool | None = None,
     ) -> None:
         super().__init__(pool)
         self.stager = stager
@@ -95,13 +93,6 @@ class TritonBackend(AttentionBackend):
         # fp8 caches under 16-bit models: fp8_kv.py's conversion mode (MINISGL_FP8_KV_MODE).
         self.fp8_mode = int(FP8_KV_MODE.get()) if fp8_mode is None else fp8_mode
         self._kv_f16 = is_fp8(pool.dtype) and self.fp8_mode != UPCAST
-        # Split decode rows combine their chunks in the kernel (decode_attention's count):
-        # one count per row and KV head of any batch that splits (fewer rows than fill
-        # the GPU's waves), zero between launches.
-        self._count: torch.Tensor | None = None
-        if fused_decode_reduce if fused_decode_reduce is not None else FUSED_DECODE_REDUCE.get():
-            rows = DECODE_WAVES * self._sm_count(pool.buffer.device)
-            self._count = torch.zeros(rows, dtype=torch.int32, device=pool.buffer.device)
 
     def _decode_tiles(self, max_splits: int) -> tuple[int, int, int]:
         block_n, warps, stages = decode_tiles(max_splits, self._kv_f16)
@@ -257,12 +248,7 @@ class TritonBackend(AttentionBackend):
         # its (block_n, warps, stages).
         plan = (md.num_splits, md.max_splits, scale, *self._decode_tiles(md.max_splits))
         if md.is_decode:
-            count = self._count
-            if count is not None and md.batch * self.pool.num_kv_heads > count.numel():
-                count = None
-            return decode_attention(
-                q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan, kv=kv, count=count
-            )
+            return decode_attention(q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan, kv=kv)
         out = extend_attention(
             q,
             k,

@@ -24,32 +24,15 @@ from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _combine(mo_ptr, lse_ptr, n_splits, stride_mo_s, offs_s, offs_d, d_mask, CACHE: tl.constexpr):
-    """One head's output from its chunks' partial outputs and log-sum-exps (base 2).
-    ``CACHE`` ".cg" (past L1) where other programs of the same launch wrote the chunks."""
-    s_mask = offs_s < n_splits
-    lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
-    live = lse > float("-inf")
-    m = tl.max(tl.where(live, lse, NEG_BIG), 0)
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    mo = offs_s[:, None] * stride_mo_s + offs_d[None, :]
-    mask = s_mask[:, None] & d_mask[None, :]
-    o = tl.load(mo_ptr + mo, mask=mask, other=0.0, cache_modifier=CACHE)
-    denom = tl.sum(w, 0)
-    return tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, row_ids_ptr, seq_lens_ptr, num_splits_ptr,
-    q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, v_mul, count_ptr, out_ptr,
+    q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, v_mul,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     GATHER: tl.constexpr, DIRECT: tl.constexpr, KV_F16: tl.constexpr, E5M2: tl.constexpr,
-    V_SCALED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, FUSE: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    V_SCALED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
     # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
@@ -138,24 +121,6 @@ def _decode_split_kernel(
     tl.store(mid_o_ptr + mo, o, mask=h_mask[:, None] & d_mask[None, :])
     ml = b * stride_ml_b + heads * stride_ml_h + split
     tl.store(mid_lse_ptr + ml, lse, mask=h_mask)
-    if FUSE:
-        # The last of the row's programs for this KV head to finish combines every chunk
-        # (the reduction kernel's arithmetic, head by head) and resets the count for the
-        # next launch: no second kernel, no second launch's latency.
-        tl.debug_barrier()  # every thread's stores are issued before the count
-        count = count_ptr + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-            offs_s = tl.arange(0, BLOCK_S)
-            for g in tl.static_range(GROUP):
-                head = kv_head * GROUP + g
-                combined = _combine(
-                    mid_o_ptr + b * stride_mo_b + head * stride_mo_h,
-                    mid_lse_ptr + b * stride_ml_b + head * stride_ml_h,
-                    n_splits, stride_mo_s, offs_s, offs_d, d_mask, ".cg",
-                )  # fmt: skip
-                dst = out_ptr + tok * stride_ot + head * stride_oh + offs_d
-                tl.store(dst, combined.to(out_ptr.dtype.element_ty), mask=d_mask)
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -174,11 +139,17 @@ def _decode_reduce_kernel(
     pdl_wait(PDL)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < n_splits
     d_mask = offs_d < HEAD_DIM
-    out = _combine(
-        mid_o_ptr + b * stride_mo_b + h * stride_mo_h, mid_lse_ptr + b * stride_ml_b + h * stride_ml_h,
-        n_splits, stride_mo_s, offs_s, offs_d, d_mask, "",
-    )  # fmt: skip
+    lse_ptr = mid_lse_ptr + b * stride_ml_b + h * stride_ml_h + offs_s
+    lse = tl.load(lse_ptr, mask=s_mask, other=float("-inf"))
+    live = lse > float("-inf")
+    m = tl.max(tl.where(live, lse, NEG_BIG), 0)
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    mo = b * stride_mo_b + h * stride_mo_h + offs_s[:, None] * stride_mo_s + offs_d[None, :]
+    o = tl.load(mid_o_ptr + mo, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     dst = out_ptr + tok * stride_ot + h * stride_oh + offs_d
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -199,7 +170,6 @@ def decode_attention(
     q_index: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     kv: KVRead = KVRead(),
-    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per row: q [B, Hq, D] -> out [B, Hq * D]. The grid (B, Hk, max_splits)
     depends only on B, so a CUDA graph replays with new lengths; ``num_splits`` [B] (device,
@@ -209,12 +179,7 @@ def decode_attention(
     With ``q_index`` [B] the rows are the one-token rows of a mixed batch: row b's query is
     token ``q_index[b]`` of q [T, Hq, D], and its result goes to that token's row of ``out``
     [T, Hq, D] (shared with the extend kernel, which writes the other tokens). ``kv``: the
-    cache's scales and how fp8 tiles are converted (kernels/fp8_kv.py).
-
-    ``count`` (int32, at least B * Hk entries, all 0): split rows are combined by the last
-    program of each row and KV head, which counts the programs done in it and leaves it 0
-    again; without it a reduction kernel combines them. One buffer serves every launch on
-    a stream (each leaves it as it found it), not two launches running at once."""
+    cache's scales and how fp8 tiles are converted (kernels/fp8_kv.py)."""
     q = unit_last_stride(q)
     k_cache, v_cache, qk_scale, v_mul, kv_consts = kv.launch(k_cache, v_cache, q.dtype, sm_scale)
     num_tokens, hq, d = q.shape
@@ -235,27 +200,22 @@ def decode_attention(
         mid_o = torch.empty(bsz, hq, max_splits, d, dtype=torch.float32, device=q.device)
         mo_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
         mid_lse = torch.empty(bsz, hq, max_splits, dtype=torch.float32, device=q.device)
-    fuse = count is not None and max_splits > 1
-    if fuse:
-        assert count is not None and count.numel() >= bsz * hk and count.dtype == torch.int32
-    block_s = max(2, triton.next_power_of_2(max_splits))
     _decode_split_kernel[(bsz, hk, max_splits)](
         q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, q_index_arg, mid_o,
-        mid_lse, qk_scale, v_mul, count if fuse else num_splits, out,
+        mid_lse, qk_scale, v_mul,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        *mo_strides, mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, **dot_mode(q.dtype), GATHER=gather,
-        DIRECT=max_splits == 1, **kv_consts, FUSE=fuse, BLOCK_S=block_s,
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        DIRECT=max_splits == 1, **kv_consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
     )  # fmt: skip
-    if max_splits == 1 or fuse:
+    if max_splits == 1:
         return out.view(num_tokens, hq * d)
     _decode_reduce_kernel[(bsz, hq)](
         mid_o, mid_lse, num_splits, q_index_arg, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
+        HEAD_DIM=d, BLOCK_S=max(2, triton.next_power_of_2(max_splits)), BLOCK_D=block_d,
         GATHER=gather, num_warps=2 if block_d <= 64 else 4, **pdl_args(),
     )  # fmt: skip
     return out.view(num_tokens, hq * d)

@@ -134,20 +134,7 @@ def norm_quant(block_m: int, block_n: int) -> None:
     _compile(_rms_norm_kernel, sig, consts, 4, 3)
 
 
-def decode_split(fuse: bool) -> None:
-    from benchmark.gpu.sass_decode import compile_decode
-
-    try:
-        compile_decode("bf16", 0, (64, 4, 1), False, fuse)
-    except (RuntimeError, FileNotFoundError) as e:
-        if "ptxas" in str(e) or "backend" in str(e).lower():
-            raise _NoTarget(str(e)) from None
-        raise
-
-
 CASES = {
-    "decode_split": functools.partial(decode_split, False),
-    "decode_split_fused_reduce": functools.partial(decode_split, True),
     "norm_quant_8b": functools.partial(norm_quant, 1, 4096),
     "norm_quant_0_6b": functools.partial(norm_quant, 2, 1024),
     "fp8_silu_inputs": fp8_silu_inputs,
