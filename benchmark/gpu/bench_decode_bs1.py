@@ -9,7 +9,8 @@ Each variant is captured as a CUDA graph of ``--layers`` launches in a row, as a
 them (with PDL where the engine uses it), and timed per launch; its output is checked
 against the first variant's. Heads of Qwen3-0.6B (16 / 8) and Qwen3-8B (32 / 8), D 128;
 ``--batches``: rows of the same context (the tiles are picked by the split axis, which
-depends on the batch size only). "engine" marks the engine's pick at this commit.
+depends on the batch size only). "engine" marks the engine's pick at this commit; a
+min_split_tokens of NO_SPLIT times the kernel with no split axis and no reduction launch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmark.gpu.bench_gemv import graph_time_us  # noqa: E402
 
+NO_SPLIT = 1 << 20  # a min_split_tokens that no context reaches: the grid's split axis is 1
+
 # (BLOCK_N, warps, stages, min_split_tokens); the first was the engine's at batch 1 before
 # FEW_ROWS_SPLITS (attention/triton_plan.py).
 VARIANTS = [
@@ -37,6 +40,12 @@ VARIANTS = [
     (32, 2, 2, 32),
     (64, 4, 2, 128),
     (128, 4, 3, 128),
+    # No split at all: one program per row and KV head walks the whole context and writes
+    # the output itself (no reduction launch), as a graph captured with one split would.
+    (64, 4, 1, NO_SPLIT),
+    (64, 4, 2, NO_SPLIT),
+    (128, 4, 2, NO_SPLIT),
+    (32, 4, 2, NO_SPLIT),
 ]
 
 
@@ -65,7 +74,7 @@ def launcher(case: dict[str, torch.Tensor], variant: tuple[int, int, int, int]):
     block_n, warps, stages, min_split = variant
     hk = case["k"].shape[1]
     batch, context = case["table"].shape
-    cap = engine_cap(batch, hk)
+    cap = 1 if min_split >= NO_SPLIT else engine_cap(batch, hk)
     plan = plan_decode_splits([context] * batch, hk, sms(), cap, min_split, block_n, batch=batch)
     splits = torch.tensor(plan, device="cuda", dtype=torch.int32)
     out = torch.empty_like(case["q"])

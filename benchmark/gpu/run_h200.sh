@@ -7,6 +7,8 @@
 # PART=28: the offline workload on Qwen3-8B-FP8, Qwen3-8B, Qwen3-30B-A3B-FP8, Qwen3-30B-A3B;
 #   batch 1 for Qwen3-8B-FP8, greedy and at temperature 0.6.
 # PART=bs1: batch 1, greedy and at temperature 0.6, for each of $MODELS.
+# PART=fuse: batch 1 with the opt-in fusions (fused_silu_down, fused_norm_gemv, both) beside
+#   the defaults, interleaved $REPS times (default 3), for each of $MODELS (default Qwen3-0.6B).
 # PART=suite: the GPU suite.
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
@@ -20,11 +22,14 @@ off() {  # model [engine-arg] [tree]
     --model benchmark/configs/$1 --load-format dummy ${2:+--engine-arg $2} 2>&1 |
     grep -E "tok/s|Error" | head -2)
 }
-lat() {  # model temperature
+lat() {  # model temperature [engine-arg ...]
   go "batch 1 $*" || return
-  echo "batch 1 $*: $(PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 \
-    benchmark/offline/bench_latency.py --model benchmark/configs/$1 --load-format dummy \
-    --temperature $2 2>&1 | grep -iE "ms/token|error" | tail -1)"
+  local model=$1 temp=$2 args=() a
+  shift 2
+  for a in "$@"; do args+=(--engine-arg "$a"); done
+  echo "batch 1 $model $temp $*: $(PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 \
+    benchmark/offline/bench_latency.py --model benchmark/configs/$model --load-format dummy \
+    --temperature $temp "${args[@]}" 2>&1 | grep -iE "ms/token|error" | tail -1)"
 }
 case ${PART:-25} in
 25)
@@ -41,6 +46,11 @@ case ${PART:-25} in
   lat Qwen3-8B-FP8 0; lat Qwen3-8B-FP8 0.6 ;;
 bs1)
   for m in ${MODELS:-Qwen3-0.6B Qwen3-8B Qwen3-8B-FP8}; do lat $m 0; lat $m 0.6; done ;;
+fuse)
+  for m in ${MODELS:-Qwen3-0.6B}; do for i in $(seq ${REPS:-3}); do
+    lat $m 0; lat $m 0 fused_silu_down=true; lat $m 0 fused_norm_gemv=true
+    lat $m 0 fused_silu_down=true fused_norm_gemv=true
+  done; done ;;
 suite)
   t "GPU suite"
   PYTHONPATH=$PWD:$PYTHONPATH timeout ${SUITE_S:-330} python3 -m pytest -q -m gpu -n 4 \
