@@ -170,6 +170,6 @@ FP8_KV_MODE = number(
     "FP8_KV_MODE",
     0,
     "CUDA, fp8 KV cache, 16-bit model: how attention converts fp8 tiles (kernels/fp8_kv.py): "
-    "0 upcast to the model dtype (untimed alternatives: 1 cvt, 2 / 3 bit moves, to float16)",
+    "0 upcast to the model dtype (alternatives, slower on an H100: 1 cvt, 2 / 3 bit moves)",
 )
 TRITON_GEMV = flag("TRITON_GEMV", True, "CUDA batch 1: Triton GEMV where it beats cuBLAS")

@@ -4,7 +4,7 @@ A plain ``.to(bf16)`` of an fp8 tile costs several conversions per element (Trit
 sm_90 SASS of the decode kernel: 256 ``F2F`` + 144 ``F2FP`` per thread and 128-token tile,
 e4m3 -> f16 -> f32 -> bf16), and Triton moves that cast after the shared-memory stage of the
 dot operand, where the transposed K tile is read back one byte per ``LDS.U8``: the likely
-reasons an fp8 cache decoded slower than bf16 (issue 25; not yet confirmed by a timing).
+reasons an fp8 cache decoded slower than bf16 (issue 25).
 Here the tiles become float16 on the loaded 16-byte vectors (inline PTX not marked pure,
 which Triton does not move), by the hardware ``cvt`` or by moving bits:
 
@@ -14,9 +14,12 @@ which Triton does not move), by the hardware ``cvt`` or by moving bits:
   included (e4m3's bias is 7, float16's 15; e4m3's smallest step 2^-9 / 256 = 2^-17 is a
   float16 subnormal). The 256 is folded into the softmax scale (K) and the output (V).
 
-Default: mode 0 (MINISGL_FP8_KV_MODE): modes 1-3 are checked under Triton's interpreter and
+Default: mode 0 (MINISGL_FP8_KV_MODE). Modes 1-3 are checked under Triton's interpreter and
 compiled for sm_90 (their SASS: 16-byte loads, one ``F2FP.F16.E4M3.UNPACK_B`` per pair in
-mode 1, no byte-wide shared-memory reads) but not yet timed on a GPU.
+mode 1, no byte-wide shared-memory reads). Timed on an H100 (sweep_decode.py, RESULTS.md
+2026-12-06), the upcast was as fast or faster on the offline workload's batches; mode 2
+won only on 64 rows of 4,096 tokens, so the upcast stays the default until an H200 sweep
+says otherwise.
 
 Modes (``KV_F16`` of the kernels): 0 = the tile upcast to q's dtype (the reference path),
 1 = the hardware conversion to float16 (one ``cvt`` per pair, sm_89+), 2 = the bit moves in
