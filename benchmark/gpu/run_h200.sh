@@ -9,6 +9,8 @@
 # PART=bs1: batch 1, greedy and at temperature 0.6, for each of $MODELS.
 # PART=fuse: batch 1 with the opt-in fusions (fused_silu_down, fused_norm_gemv, both) beside
 #   the defaults, interleaved $REPS times (default 3), for each of $MODELS (default Qwen3-0.6B).
+# PART=ab: batch 1 (greedy) in this tree and in ./br (a branch from `git archive`), interleaved
+#   $REPS times (default 2), for each of $MODELS, with the engine args in $ARGS.
 # PART=suite: the GPU suite.
 export PYTHONUNBUFFERED=1
 T0=$SECONDS
@@ -22,14 +24,15 @@ off() {  # model [engine-arg] [tree]
     --model benchmark/configs/$1 --load-format dummy ${2:+--engine-arg $2} 2>&1 |
     grep -E "tok/s|Error" | head -2)
 }
-lat() {  # model temperature [engine-arg ...]
+lat() {  # model temperature [engine-arg ...]; in the tree $TREE (default: this one)
   go "batch 1 $*" || return
   local model=$1 temp=$2 args=() a
   shift 2
   for a in "$@"; do args+=(--engine-arg "$a"); done
-  echo "batch 1 $model $temp $*: $(PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 \
-    benchmark/offline/bench_latency.py --model benchmark/configs/$model --load-format dummy \
-    --temperature $temp "${args[@]}" 2>&1 | grep -iE "ms/token|error" | tail -1)"
+  echo "batch 1 ${TREE:-.} $model $temp $*: $(cd ${TREE:-.} && PYTHONPATH=$PWD:$PYTHONPATH \
+    timeout 90 python3 benchmark/offline/bench_latency.py --model benchmark/configs/$model \
+    --load-format dummy --temperature $temp "${args[@]}" 2>&1 | grep -iE "ms/token|error" |
+    tail -1)"
 }
 case ${PART:-25} in
 25)
@@ -50,6 +53,11 @@ fuse)
   for m in ${MODELS:-Qwen3-0.6B}; do for i in $(seq ${REPS:-3}); do
     lat $m 0; lat $m 0 fused_silu_down=true; lat $m 0 fused_norm_gemv=true
     lat $m 0 fused_silu_down=true fused_norm_gemv=true
+  done; done ;;
+ab)
+  for m in ${MODELS:-Qwen3-0.6B}; do for i in $(seq ${REPS:-2}); do
+    # shellcheck disable=SC2086  # ARGS: several engine args, split on purpose
+    TREE=. lat $m 0 $ARGS; TREE=br lat $m 0 $ARGS
   done; done ;;
 suite)
   t "GPU suite"
