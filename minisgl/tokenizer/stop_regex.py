@@ -34,9 +34,10 @@ import regex
 # character, or at the end itself). Detected in the source textually, which errs on the safe
 # side: an escaped ``\\$`` only costs a slower path.
 _END_ASSERTIONS = ("$", "\\Z", "\\b", "\\B", "\\m", "\\M")
-# Those that can be false at the end and true once the next character is known; ``regex``'s
-# partial matching takes them as they are at the end, so it has to be told otherwise.
-_WORD_EDGES = "bBm"
+# Word edges: their value at the end is not final, and ``regex``'s partial matching takes it
+# as it is there (for ``\\M`` it also misses the leftmost partial match: ".*?\\M" in " "
+# reports one at 1, though " 1" matches from 0), so partial searches use a relaxed copy.
+_WORD_EDGES = "bBmM"
 _POSSESSIVE = ("*+", "++", "?+", "}+", "(?>")
 
 

@@ -101,6 +101,15 @@ def test_a_word_edge_at_the_end_is_not_known_yet() -> None:
     assert f.matched == r"\s\b" and f.cut == 1
 
 
+def test_an_end_of_word_match_from_before_the_end_is_held_back() -> None:
+    # Found by the property test below: regex's partial search of ".*?\M" in " " reports a
+    # partial match at 1, yet " 1" matches from 0: the space must be held back.
+    f = StopRegexFilter([r"a|.*?\M"])
+    assert f.feed(" ") == ""
+    assert f.feed("1") == ""
+    assert f.matched == r"a|.*?\M" and f.cut == 0
+
+
 def test_a_possessive_run_sees_the_end() -> None:
     # "(?:a|.*+(?<=a))\1"-like patterns: the run takes everything up to the end, so the
     # shorter text matches where the longer one does not; the shorter one decides.
