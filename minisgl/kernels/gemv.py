@@ -58,16 +58,18 @@ def _x_tile(x_ptr, res_ptr, nw_ptr, offs_m, kk, mask, stride_xm, stride_rm, k_di
 
 
 @triton.jit
-def _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, stride_xm, stride_rm, k_dim,
-               eps, write_res, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+def _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_rm, k_dim,
+               eps, write_res, BLOCK_M: tl.constexpr, NORM_K: tl.constexpr,
                NORM: tl.constexpr):  # fmt: skip
     """1 / rms of each row of x (NORM 1) or x + residual (NORM 2, whose rounded sum the
-    program with ``write_res`` stores: the layer's next residual), summed in BLOCK_K steps
-    (an order of its own: kernels/norm.py sums one row tile, so rstd may differ in the last
-    float32 bit)."""
+    program with ``write_res`` stores: the layer's next residual), summed in NORM_K steps
+    (an order of its own: kernels/norm.py sums one row tile with its own warps, so rstd may
+    differ in the last float32 bit). Every program waits for this before its products, so
+    a row fits one step where it can (norm_k): one memory round trip, not one a K tile."""
     dtype = x_ptr.dtype.element_ty
+    offs_k = tl.arange(0, NORM_K)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
+    for k0 in range(0, k_dim, NORM_K):
         kk = k0 + offs_k
         mask = m_mask[:, None] & (kk < k_dim)[None, :]
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=mask, other=0.0)
@@ -98,7 +100,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, rows, n_cols, k_dim, stride_xm,
     stride_wn, stride_om, stride_rm, eps, HAS_BIAS: tl.constexpr, SILU_X: tl.constexpr,
     NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FLAT: tl.constexpr, PDL: tl.constexpr,
+    FLAT: tl.constexpr, PDL: tl.constexpr, NORM_K: tl.constexpr,
 ):  # fmt: skip
     # (The peer-memory extension's pushing GEMV repeats the unbiased arithmetic
     # with a push of its own: a change here must be made there too, where a test checks
@@ -124,8 +126,8 @@ def _gemv_kernel(
     pdl_wait(PDL)
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if NORM:
-        rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, offs_k, stride_xm,
-                          stride_rm, k_dim, eps, pid == 0, BLOCK_M, BLOCK_K, NORM)  # fmt: skip
+        rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_rm,
+                          k_dim, eps, pid == 0, BLOCK_M, NORM_K, NORM)  # fmt: skip
     xt = (x_ptr, res_ptr, nw_ptr, offs_m)
     x_mask0 = m_mask[:, None] & (offs_k < k_dim)[None, :]
     x0 = _x_tile(*xt, offs_k, x_mask0, stride_xm, stride_rm, k_dim, rstd, SILU_X, NORM)
@@ -149,6 +151,15 @@ def _gemv_kernel(
 
 
 Tiles = GemvTiles
+# The widest step of the norm prologue's sum of squares. Its loads are all in flight at once:
+# at 4 warps, 2,048 of x and of the residual take 92 registers a thread (sm_90, no spills),
+# 4,096 take 139 and would cost resident programs. Qwen3-0.6B's rows: one step; 8B's: two.
+MAX_NORM_K = 2048
+
+
+def norm_k(k_dim: int) -> int:
+    """The norm prologue's step over a row of ``k_dim``: the whole row where it fits."""
+    return min(triton.next_power_of_2(k_dim), MAX_NORM_K)
 
 
 # Tiles per (rows, N, K) that override the rule below, None meaning cuBLAS: set by tuning runs
@@ -251,7 +262,7 @@ def _launch(
         x, weight, bias if bias is not None else weight, out, res, nw, res_out, rows, n_cols,
         k_dim, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_X=silu_x, NORM=mode, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, FLAT=bool(flat) and block_m == 1, num_warps=warps, num_stages=stages,
-        **pdl_args(),
+        BLOCK_K=block_k, FLAT=bool(flat) and block_m == 1, NORM_K=norm_k(k_dim) if mode else 0,
+        num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -117,32 +117,45 @@ def check_gemv_rms_norm_prologue(device: torch.device) -> None:
     """gemv_add_rms_norm against kernels/norm.py's fused add + RMSNorm then the GEMV, with and
     without a residual: the new residual bit-equal; through an identity weight (the product
     is then the normalised input itself) at most one bf16 step off, at few inputs (where
-    1 / rms, summed in another order, moved a rounding); a random weight within that."""
+    1 / rms, summed in another order, moved a rounding); a random weight within that. The
+    sum of squares in one step of the whole row and (a cap of 256) in several."""
+    from minisgl.kernels import gemv as gemv_module
+
+    cap = gemv_module.MAX_NORM_K
+    cases = ((1, 700, True, cap), (1, 700, True, 256), (1, 512, False, cap), (2, 256, True, cap))
+    try:
+        for rows, k, with_res, max_norm_k in cases:
+            gemv_module.MAX_NORM_K = max_norm_k
+            _check_norm_prologue(device, rows, k, with_res)
+    finally:
+        gemv_module.MAX_NORM_K = cap
+
+
+def _check_norm_prologue(device: torch.device, rows: int, k: int, with_res: bool) -> None:
     from minisgl.kernels.gemv import gemv, gemv_add_rms_norm, gemv_choice
     from minisgl.kernels.norm import fused_add_rms_norm, rms_norm
 
-    g = torch.Generator().manual_seed(9)
-    for rows, k, with_res in ((1, 700, True), (1, 512, False), (2, 256, True)):
-        dt = torch.bfloat16
-        x = (torch.randn(rows, k, generator=g) * 4).to(dt).to(device)
-        res = (torch.randn(rows, k, generator=g) * 4).to(dt).to(device) if with_res else None
-        nw = (torch.rand(k, generator=g) + 0.5).to(dt).to(device)
-        if res is not None:
-            h, want_res = fused_add_rms_norm(x, res, nw, 1e-6)
-        else:
-            h, want_res = rms_norm(x, nw, 1e-6), x
-        for w in (torch.eye(k), torch.randn(48, k, generator=g) / k**0.5):
-            w = w.to(dt).to(device)
-            tiles = gemv_choice(1, w.shape[0], k) if rows == 1 else None
-            want = gemv(h, w, None, tiles).float()
-            got, got_res = gemv_add_rms_norm(x, res, nw, 1e-6, w, None, tiles)
-            assert torch.equal(got_res, want_res)
-            err = (got.float() - want).abs()
-            if w.shape[0] == k:  # the normalised input: <= one step at <= 2% of the inputs
-                assert bool((err <= want.abs() * 2**-7).all()) and (err > 0).float().mean() < 0.02
-            else:  # a few inputs one step off, times their weights; then bf16 rounding
-                bound = 4 * ((h.float().abs() * 2**-7)[:, None, :] * w.float().abs()).amax(-1)
-                assert bool((err <= bound + want.abs() * 2**-8 + 1e-6).all()), err.max().item()
+    g = torch.Generator().manual_seed(9 + k + rows)
+    dt = torch.bfloat16
+    x = (torch.randn(rows, k, generator=g) * 4).to(dt).to(device)
+    res = (torch.randn(rows, k, generator=g) * 4).to(dt).to(device) if with_res else None
+    nw = (torch.rand(k, generator=g) + 0.5).to(dt).to(device)
+    if res is not None:
+        h, want_res = fused_add_rms_norm(x, res, nw, 1e-6)
+    else:
+        h, want_res = rms_norm(x, nw, 1e-6), x
+    for w in (torch.eye(k), torch.randn(48, k, generator=g) / k**0.5):
+        w = w.to(dt).to(device)
+        tiles = gemv_choice(1, w.shape[0], k) if rows == 1 else None
+        want = gemv(h, w, None, tiles).float()
+        got, got_res = gemv_add_rms_norm(x, res, nw, 1e-6, w, None, tiles)
+        assert torch.equal(got_res, want_res)
+        err = (got.float() - want).abs()
+        if w.shape[0] == k:  # the normalised input: <= one step at <= 2% of the inputs
+            assert bool((err <= want.abs() * 2**-7).all()) and (err > 0).float().mean() < 0.02
+        else:  # a few inputs one step off, times their weights; then bf16 rounding
+            bound = 4 * ((h.float().abs() * 2**-7)[:, None, :] * w.float().abs()).amax(-1)
+            assert bool((err <= bound + want.abs() * 2**-8 + 1e-6).all()), err.max().item()
 
 
 CHECKS = kernel_checks.collect(globals())

@@ -56,7 +56,7 @@ def gemv_prologue(silu: bool, norm: int, flat: bool = False) -> None:
     sig |= dict.fromkeys(ints, _I32)
     sig["eps"] = "fp32"
     consts = dict(HAS_BIAS=False, SILU_X=silu, NORM=norm, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512,
-                  FLAT=flat, PDL=True)  # fmt: skip
+                  FLAT=flat, PDL=True, NORM_K=2048 if norm else 0)  # fmt: skip
     _compile(_gemv_kernel, sig, consts, 4, 4)
 
 
