@@ -147,8 +147,9 @@ class EngineConfig:
     )
     fused_norm_gemv: bool = option(
         False,
-        "compute each decoder layer's pre-norms inside the batch-1 GEMV of the q/k/v and "
-        "gate/up projections (CUDA, TP 1; 1 / rms summed in another order; off until measured)",
+        "compute each decoder layer's pre-norms inside the batch-1 GEMV (bf16, FP8) of the "
+        "q/k/v and gate/up projections (CUDA, TP 1; 1 / rms summed in another order; off "
+        "until measured)",
     )
     tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size", low=1)
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0

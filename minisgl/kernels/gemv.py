@@ -152,8 +152,9 @@ def _gemv_kernel(
 
 Tiles = GemvTiles
 # The widest step of the norm prologue's sum of squares. Its loads are all in flight at once:
-# at 4 warps, 2,048 of x and of the residual take 92 registers a thread (sm_90, no spills),
-# 4,096 take 139 and would cost resident programs. Qwen3-0.6B's rows: one step; 8B's: two.
+# (sm_90, no spills) at 4 warps, 2,048 of x and of the residual take 92 registers a thread,
+# 4,096 take 139 and would cost resident programs; the FP8 GEMV (8 warps) takes 156 at
+# 2,048 or less, 179 at 4,096. Qwen3-0.6B's rows: one step; 8B's: two.
 MAX_NORM_K = 2048
 
 

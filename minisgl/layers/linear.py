@@ -125,7 +125,7 @@ class ColumnParallelLinear(ShardedLinear):
             return None
         if self.fusing_quant is not None:
             return self.fusing_quant.apply_add_rms_norm(
-                self, x, residual, norm_weight, eps, self.bias
+                self, x, residual, norm_weight, eps, self.bias, in_gemv
             )
         if not in_gemv or self.quant is not None or self.gemv_tiles is None or x.shape[0] != 1:
             return None

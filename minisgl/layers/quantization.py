@@ -100,9 +100,12 @@ class FusingQuantMethod(QuantMethod, Protocol):
         norm_weight: torch.Tensor,
         eps: float,
         bias: torch.Tensor | None,
+        in_gemv: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(`apply` of rmsnorm(x + residual) * norm_weight (kernels/norm.py's bits),
-        x + residual) for x [M, in_local] (x itself as the residual without one)."""
+        """(`apply` of rmsnorm(x + residual) * norm_weight (kernels/norm.py's bits, or in a
+        batch-1 GEMV kernels/gemv.py's), x + residual) for x [M, in_local] (x itself as the
+        residual without one). ``in_gemv``: the engine allows the fusion in batch-1 GEMVs
+        (its ``fused_norm_gemv``)."""
         ...
 
 

@@ -151,19 +151,24 @@ def twin_greedy(fp8_model: tuple[Path, Path]) -> dict:
     return _twin_greedy(fp8_model[1])
 
 
-@pytest.mark.parametrize("gemv", [True, False], ids=["gemv", "w8a8_gemm"])
+@pytest.mark.parametrize(
+    ("gemv", "norm_gemv"), [(True, False), (True, True), (False, False)],
+    ids=["gemv", "gemv_norm", "w8a8_gemm"],
+)  # fmt: skip
 def test_fp8_engine_teacher_forced_top1(
-    fp8_model: tuple[Path, Path], twin_greedy: dict, gemv: bool
+    fp8_model: tuple[Path, Path], twin_greedy: dict, gemv: bool, norm_gemv: bool
 ) -> None:
-    """CUDA graphs on: batch-1 decode steps run the FP8 GEMV (weight-only), or with
-    MINISGL_FP8_GEMV=0 the W8A8 GEMM; the prefills of the restarts the GEMM."""
+    """CUDA graphs on: batch-1 decode steps run the FP8 GEMV (weight-only; with
+    fused_norm_gemv, the layers' pre-norms in its prologue), or with MINISGL_FP8_GEMV=0 the
+    W8A8 GEMM; the prefills of the restarts the GEMM."""
     want = twin_greedy
     with env.override({FP8_GEMV: gemv}):
-        llm = LLM(str(fp8_model[0]), **GRAPHS)  # type: ignore[arg-type]
+        llm = LLM(str(fp8_model[0]), fused_norm_gemv=norm_gemv, **GRAPHS)  # type: ignore[arg-type]
         qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,index]
         assert qkv.quant is not None and qkv.qweight.dtype == torch.float8_e4m3fn
         top1, diff = teacher_forced_agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
-    print(f"fp8 {'GEMV' if gemv else 'W8A8 GEMM'}: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
+    kind = ("GEMV + norm" if norm_gemv else "GEMV") if gemv else "W8A8 GEMM"
+    print(f"fp8 {kind}: top-1 {top1:.4f}, mean |dlogprob| {diff:.4f}")
     assert top1 >= 0.99 and diff < 0.05, (top1, diff)
     assert_engine_clean(llm)
 

@@ -85,8 +85,9 @@ class Fp8Method:
         norm_weight: torch.Tensor,
         eps: float,
         bias: torch.Tensor | None,
+        in_gemv: bool,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return fp8_norm_forward(layer, x, residual, norm_weight, eps, bias)
+        return fp8_norm_forward(layer, x, residual, norm_weight, eps, bias, in_gemv)
 
     def create_expert_weights(
         self, moe: nn.Module, name: str, shape: tuple[int, int, int], load_shard: ShardFn

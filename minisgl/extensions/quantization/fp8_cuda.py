@@ -181,15 +181,24 @@ def fp8_norm_forward(
     norm_weight: torch.Tensor,
     eps: float,
     bias: torch.Tensor | None,
+    in_gemv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(`fp8_forward` of rmsnorm(x + residual), x + residual) with the activations quantized
-    by the norm's kernel (kernels/norm.add_rms_norm_quant: the same bits as the norm, then
-    the quantizer), or None where the caller should run the norm first: the GEMV's rows
-    (weight-only: nothing to quantize), MINISGL_FP8_FUSED_ACT off, or inputs the norm
-    kernel's quantizing epilogue does not take."""
+    """(`fp8_forward` of rmsnorm(x + residual), x + residual): in the GEMV's rows with the norm
+    in its prologue where ``in_gemv`` (the engine's fused_norm_gemv); in the GEMM's with the
+    activations quantized by the norm's kernel (kernels/norm.add_rms_norm_quant: the same
+    bits as the norm, then the quantizer) unless MINISGL_FP8_FUSED_ACT is off. None where
+    the caller should run the norm first, or the inputs' dtype is not the norm weight's."""
     qweight, wscale = _buffers(layer)
     route = _route(qweight, wscale, x.shape[0], x.device)
-    if route == "gemv" or not FP8_FUSED_ACT.get() or x.dtype != norm_weight.dtype:
+    if x.dtype != norm_weight.dtype:
+        return None
+    if route == "gemv":
+        if not in_gemv:
+            return None
+        from minisgl.extensions.quantization.kernels import fp8_gemv
+
+        return fp8_gemv.fp8_gemv_add_rms_norm(x, residual, norm_weight, eps, qweight, wscale, bias)
+    if not FP8_FUSED_ACT.get():
         return None
     from minisgl.extensions.quantization.kernels import fp8_gemm
     from minisgl.kernels.norm import add_rms_norm_quant

@@ -118,7 +118,7 @@ def check_gemv_rms_norm_prologue(device: torch.device) -> None:
     without a residual: the new residual bit-equal; through an identity weight (the product
     is then the normalised input itself) at most one bf16 step off, at few inputs (where
     1 / rms, summed in another order, moved a rounding); a random weight within that. The
-    sum of squares in one step of the whole row and (a cap of 256) in several."""
+    sum of squares in one step of the whole row and (steps of 256) in several."""
     from minisgl.kernels import gemv as gemv_module
 
     cap = gemv_module.MAX_NORM_K

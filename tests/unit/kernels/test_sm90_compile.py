@@ -107,17 +107,25 @@ def fp8_silu_inputs() -> None:
     """The FP8 down projection's kernels reading a gated MLP's [gate | up]: the activation
     quantizer and the one-row FLAT GEMV."""
     from minisgl.extensions.quantization.kernels.fp8_gemm import _quant_kernel
-    from minisgl.extensions.quantization.kernels.fp8_gemv import _fp8_gemv_kernel
 
     sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     sig |= dict.fromkeys(("rows", "groups", "stride_xm", "stride_sm", "stride_sg"), _I32)
     _compile(_quant_kernel, sig, dict(GROUP=128, BLOCK_G=8, SILU=True, PDL=True), 4, 1)
+    fp8_gemv_prologue(silu=True, norm=0)
+
+
+def fp8_gemv_prologue(silu: bool, norm: int) -> None:
+    """The one-row FLAT FP8 GEMV with a prologue: SiLU-and-mul or (add +) RMSNorm."""
+    from minisgl.extensions.quantization.kernels.fp8_gemv import _fp8_gemv_kernel
+
     sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*fp32",
-           "out_ptr": "*bf16"}  # fmt: skip
-    ints = ("rows", "n_cols", "k_dim", "stride_xm", "stride_om", "stride_s")
+           "out_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16"}  # fmt: skip
+    ints = ("rows", "n_cols", "k_dim", "stride_xm", "stride_om", "stride_s", "stride_rm")
     sig |= dict.fromkeys(ints, _I32)
+    sig["eps"] = "fp32"
     consts = dict(SN=128, SK=128, ROW_SCALE=False, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=8,
-                  BLOCK_K=2048, PREFETCH=False, R=16, FLAT=True, SILU=True, PDL=True)  # fmt: skip
+                  BLOCK_K=2048, PREFETCH=False, R=16, FLAT=True, SILU=silu, PDL=True, NORM=norm,
+                  NORM_K=2048 if norm else 0)  # fmt: skip
     _compile(_fp8_gemv_kernel, sig, consts, 8, 1)
 
 
@@ -138,6 +146,7 @@ CASES = {
     "norm_quant_8b": functools.partial(norm_quant, 1, 4096),
     "norm_quant_0_6b": functools.partial(norm_quant, 2, 1024),
     "fp8_silu_inputs": fp8_silu_inputs,
+    "fp8_gemv_add_norm": functools.partial(fp8_gemv_prologue, False, 2),
     "gemv_silu": functools.partial(gemv_prologue, True, 0),
     "gemv_norm": functools.partial(gemv_prologue, False, 1),
     "gemv_add_norm": functools.partial(gemv_prologue, False, 2),

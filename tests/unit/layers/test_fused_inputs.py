@@ -46,8 +46,9 @@ class FloatFusing:
 
     def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor,
                            residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                           bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
-        self.calls.append(f"norm residual={residual is not None}")
+                           bias: torch.Tensor | None,
+                           in_gemv: bool) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        self.calls.append(f"norm residual={residual is not None} in_gemv={in_gemv}")
         if self.decline:
             return None
         norm = RMSNorm(x.shape[1], eps)
@@ -69,13 +70,13 @@ def test_column_layer_hands_its_norm_to_the_method() -> None:
     norm = RMSNorm(64, 1e-6)
     norm.weight.data.uniform_(0.5, 1.5)
     x, residual = torch.randn(5, 64), torch.randn(5, 64)
-    for res in (residual, None):
-        got = proj.forward_add_rms_norm(x, res, norm.weight, norm.eps)
+    for res, in_gemv in ((residual, True), (None, False)):
+        got = proj.forward_add_rms_norm(x, res, norm.weight, norm.eps, in_gemv)
         h, want_res = norm.forward_with_residual(x, res)
         assert got is not None
         torch.testing.assert_close(got[0], proj(h))
         torch.testing.assert_close(got[1], want_res)
-    assert method.calls == ["norm residual=True", "norm residual=False"]
+    assert method.calls == ["norm residual=True in_gemv=True", "norm residual=False in_gemv=False"]
     method.decline = True
     assert proj.forward_add_rms_norm(x, residual, norm.weight, norm.eps) is None
     tp2 = ColumnParallelLinear(64, [32, 32], False, TPInfo(0, 2), FloatFusing())

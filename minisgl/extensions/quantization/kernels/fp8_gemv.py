@@ -33,24 +33,25 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
-from minisgl.kernels.activation import silu_mul
+from minisgl.kernels.gemv import _rows_rstd, _x_tile, norm_k
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
 
 
 @triton.jit
-def _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK: tl.constexpr,
-              ROW_SCALE: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
-    """The step's activations [BLOCK_M, BLOCK_K] in float32, times their block's scale.
-    SILU: x is a gated MLP's [gate | up] (each k_dim wide); the activations silu(gate) * up."""
+def _scaled_x(x_ptr, res_ptr, nw_ptr, offs_m, s_row, m_mask, kk, k_dim, stride_xm, stride_rm,
+              rstd, SK: tl.constexpr, ROW_SCALE: tl.constexpr, SILU: tl.constexpr,
+              NORM: tl.constexpr):  # fmt: skip
+    """The step's activations [BLOCK_M, BLOCK_K] in float32, times their block's scale: the
+    x tile as kernels/gemv.py's prologues make it.
+    SILU: x is a gated MLP's [gate | up] (each k_dim wide); the activations silu(gate) * up.
+    NORM: RMSNorm of x (1) or of x + residual (2), ``rstd`` being the rows' 1 / rms."""
     k_mask = kk < k_dim
-    ptrs = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
     mask = m_mask[:, None] & k_mask[None, :]
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SILU:
-        x = silu_mul(x, tl.load(ptrs + k_dim, mask=mask, other=0.0), x_ptr.dtype.element_ty)
-    x = x.to(tl.float32)
+    x = _x_tile(
+        x_ptr, res_ptr, nw_ptr, offs_m, kk, mask, stride_xm, stride_rm, k_dim, rstd, SILU, NORM
+    ).to(tl.float32)
     if not ROW_SCALE:
         x = x * tl.load(s_row + kk // SK, mask=k_mask, other=0.0)[None, :]
     return x
@@ -85,10 +86,12 @@ def _row_sums(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAT: tl.conste
 
 @triton.jit(do_not_specialize=["rows"])
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, rows, n_cols, k_dim, stride_xm, stride_om, stride_s,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, res_ptr, nw_ptr, res_out_ptr, rows, n_cols, k_dim,
+    stride_xm, stride_om, stride_s, stride_rm, eps,
     SN: tl.constexpr, SK: tl.constexpr, ROW_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
     R: tl.constexpr, FLAT: tl.constexpr, SILU: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, NORM_K: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -109,6 +112,11 @@ def _fp8_gemv_kernel(
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     s_row = s_ptr + (pid * BLOCK_N // SN) * stride_s  # block scales: the program's row
     pdl_wait(PDL)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if NORM:
+        rstd = _rows_rstd(x_ptr, res_ptr, res_out_ptr, offs_m, m_mask, stride_xm, stride_rm,
+                          k_dim, eps, pid == 0, BLOCK_M, NORM_K, NORM)  # fmt: skip
+    xt = (x_ptr, res_ptr, nw_ptr, offs_m, s_row, m_mask)
     if PREFETCH:  # the next step's weights requested before this step's products
         if FLAT:
             acc = tl.zeros([BLOCK_N, BLOCK_K // R], tl.float32)
@@ -119,19 +127,20 @@ def _fp8_gemv_kernel(
             kn = k0 + BLOCK_K + offs_k
             nxt = tl.load(w_rows + kn[None, :], mask=n_mask[:, None] & (kn < k_dim)[None, :],
                           other=0.0)  # fmt: skip
-            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, k0 + offs_k, k_dim, stride_xm, SK,
-                          ROW_SCALE, SILU)  # fmt: skip
+            x = _scaled_x(*xt, k0 + offs_k, k_dim, stride_xm, stride_rm, rstd, SK, ROW_SCALE,
+                          SILU, NORM)  # fmt: skip
             acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
             w = nxt
     else:
-        x0 = _scaled_x(x_ptr, s_row, offs_m, m_mask, offs_k, k_dim, stride_xm, SK, ROW_SCALE,
-                       SILU)  # fmt: skip
+        x0 = _scaled_x(*xt, offs_k, k_dim, stride_xm, stride_rm, rstd, SK, ROW_SCALE, SILU,
+                       NORM)  # fmt: skip
         acc = _products(x0, w0, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
         for k0 in range(BLOCK_K, k_dim, BLOCK_K):
             kk = k0 + offs_k
             w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < k_dim)[None, :],
                         other=0.0)  # fmt: skip
-            x = _scaled_x(x_ptr, s_row, offs_m, m_mask, kk, k_dim, stride_xm, SK, ROW_SCALE, SILU)
+            x = _scaled_x(*xt, kk, k_dim, stride_xm, stride_rm, rstd, SK, ROW_SCALE, SILU,
+                          NORM)  # fmt: skip
             acc += _products(x, w, BLOCK_M, BLOCK_N, BLOCK_K, R, FLAT)
     y = _row_sums(acc, BLOCK_M, BLOCK_N, FLAT)
     if ROW_SCALE:
@@ -176,13 +185,48 @@ def fp8_gemv(
     -> [M, N] in x's dtype. Block scales need BLOCK_N to divide SN (the tiles are cut).
     ``silu_x``: x is [M, 2K] [gate | up] and the product is silu(gate) * up's
     (kernels/activation.py's bits), computed on the way in."""
+    assert x.shape[1] == (2 * weight.shape[1] if silu_x else weight.shape[1])
+    return _launch(x, weight, scales, bias, tiles, silu_x=silu_x)
+
+
+def fp8_gemv_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    tiles: Tiles | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual) W^T (+ bias), x + residual) in one kernel, as
+    kernels/gemv.gemv_add_rms_norm makes them (its roundings, its 1 / rms) for an e4m3 W.
+    ``residual`` None: the norm of x, and x is returned as the residual."""
+    assert norm_weight.dtype == x.dtype and norm_weight.shape == (x.shape[1],)
+    assert x.shape[1] == weight.shape[1]
+    res_out = torch.empty_like(x) if residual is not None else x
+    norm = (norm_weight, eps, res_out)
+    return _launch(x, weight, scales, bias, tiles, residual=residual, norm=norm), res_out
+
+
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    tiles: Tiles | None,
+    silu_x: bool = False,
+    residual: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None = None,
+) -> torch.Tensor:
     rows, n_cols, k_dim = x.shape[0], weight.shape[0], weight.shape[1]
-    assert x.shape[1] == (2 * k_dim if silu_x else k_dim)
     assert rows <= MAX_ROWS and weight.is_contiguous()
     sn, sk = n_cols // scales.shape[0], k_dim // scales.shape[1]
     assert scales.shape == (n_cols // sn, k_dim // sk) and scales.dtype == torch.float32
     if x.stride(1) != 1:
         x = x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -192,12 +236,16 @@ def fp8_gemv(
     row_scale = sk == k_dim
     if not row_scale:
         block_n = min(block_n, sn & -sn)  # a power of two dividing SN
+    nw, eps, res_out = norm if norm is not None else (x, 0.0, out)
+    res = residual if residual is not None else x
+    mode = 0 if norm is None else (2 if residual is not None else 1)
     _fp8_gemv_kernel[(cdiv(n_cols, block_n),)](
-        x, weight, scales, bias if bias is not None else scales, out, rows, n_cols, k_dim,
-        x.stride(0), out.stride(0), scales.stride(0),
+        x, weight, scales, bias if bias is not None else scales, out, res, nw, res_out, rows,
+        n_cols, k_dim, x.stride(0), out.stride(0), scales.stride(0), res.stride(0), eps,
         SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, FLAT=bool(flat) and block_m == 1,
-        SILU=silu_x, num_warps=warps, num_stages=stages, **pdl_args(),
+        SILU=silu_x, NORM=mode, NORM_K=norm_k(k_dim) if mode else 0, num_warps=warps,
+        num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
 

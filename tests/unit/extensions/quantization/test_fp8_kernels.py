@@ -158,6 +158,37 @@ def check_fp8_silu_mul_on_the_way_in(device: torch.device) -> None:
             assert torch.equal(fp8_gemv(gate_up, q, s, silu_x=True), fp8_gemv(h, q, s))
 
 
+def check_fp8_gemv_norm_prologue(device: torch.device) -> None:
+    """fp8_gemv_add_rms_norm against kernels/norm.py's add + RMSNorm then fp8_gemv, with and
+    without a residual, the sum of squares in one step and in several: the new residual
+    bit-equal; the product within a few normalised inputs one bf16 step off (1 / rms summed
+    in another order), times their weights, then bf16 rounding."""
+    from minisgl.extensions.quantization.kernels.fp8_gemv import fp8_gemv, fp8_gemv_add_rms_norm
+    from minisgl.kernels import gemv as gemv_module
+    from minisgl.kernels.norm import fused_add_rms_norm, rms_norm
+
+    q, s, w = fp8_weights(256, 384, 128, 128, 11)
+    q, s, w = q.to(device), s.to(device), w.to(device)
+    g = torch.Generator().manual_seed(12)
+    cap = gemv_module.MAX_NORM_K
+    try:
+        for with_res, max_norm_k in ((True, cap), (False, cap), (True, 256)):
+            gemv_module.MAX_NORM_K = max_norm_k
+            x, r = ((torch.randn(1, 384, generator=g) * 4).bfloat16().to(device) for _ in "xr")
+            nw = (torch.rand(384, generator=g) + 0.5).bfloat16().to(device)
+            res = r if with_res else None
+            h, want_res = fused_add_rms_norm(x, r, nw, 1e-6) if with_res else (
+                rms_norm(x, nw, 1e-6), x)  # fmt: skip
+            want = fp8_gemv(h, q, s).float()
+            got, got_res = fp8_gemv_add_rms_norm(x, res, nw, 1e-6, q, s)
+            assert torch.equal(got_res, want_res)
+            bound = 4 * ((h.float().abs() * 2**-7)[:, None, :] * w.float().abs()).amax(-1)
+            err = (got.float() - want).abs()
+            assert bool((err <= bound + want.abs() * 2**-8 + 1e-6).all()), err.max().item()
+    finally:
+        gemv_module.MAX_NORM_K = cap
+
+
 def check_fp8_norm_quantizes_its_output(device: torch.device) -> None:
     """kernels/norm.add_rms_norm_quant equals the plain norm followed by the activation
     quantizer, bit for bit (e4m3 codes, scales, the residual sum), with and without a
@@ -311,12 +342,13 @@ def test_silu_fusion_routes() -> None:
 def test_norm_fusion_routes() -> None:
     """A q/k/v or gate/up projection given its RMSNorm's input: the GEMM's rows quantize in
     the norm's kernel (scales column-major for cuBLAS) unless MINISGL_FP8_FUSED_ACT is off;
-    the GEMV's rows (weight-only) decline. Shapes only (meta tensors), the kernels replaced
-    by recorders."""
+    the GEMV's rows (weight-only) take the norm in the GEMV's prologue where the engine
+    allows it (fused_norm_gemv), else decline. Shapes only (meta tensors), the kernels
+    replaced by recorders."""
     from unittest import mock
 
     from minisgl.extensions.quantization import FP8_CUBLAS, FP8_FUSED_ACT, fp8_cuda
-    from minisgl.extensions.quantization.kernels import fp8_gemm
+    from minisgl.extensions.quantization.kernels import fp8_gemm, fp8_gemv
     from minisgl.kernels import norm
 
     calls: list[tuple[str, object]] = []
@@ -340,15 +372,19 @@ def test_norm_fusion_routes() -> None:
         mock.patch.object(norm, "add_rms_norm_quant", norm_quant),
         mock.patch.object(fp8_gemm, "quantized_gemm", gemm("gemm")),
         mock.patch.object(fp8_gemm, "cublas_quantized_gemm", gemm("cublas")),
+        mock.patch.object(fp8_gemv, "fp8_gemv_add_rms_norm", gemm("gemv")),
     )
-    with patches[0], patches[1], patches[2]:
+    with patches[0], patches[1], patches[2], patches[3]:
         for cublas in (False, True):
             probe = mock.patch.object(fp8_cuda, "cublas_block_gemm_runs", lambda d, c=cublas: c)
             for fused in (True, False):
                 with probe, env.override({FP8_FUSED_ACT: fused, FP8_CUBLAS: True}):
-                    for rows in (1, 64):
+                    for rows, in_gemv in ((1, False), (64, True)):
                         x = torch.empty(rows, 512, device="meta")
-                        y = fp8_cuda.fp8_norm_forward(layer, x, None, w, 1e-6, None)
+                        y = fp8_cuda.fp8_norm_forward(layer, x, None, w, 1e-6, None, in_gemv)
                         assert (y is None) == (rows == 1 or not fused)
+        x = torch.empty(1, 512, device="meta")
+        assert fp8_cuda.fp8_norm_forward(layer, x, None, w, 1e-6, None, True) is not None
     shape = torch.Size([64, 512])
-    assert calls == [("norm", False), ("gemm", shape), ("norm", True), ("cublas", shape)]
+    assert calls == [("norm", False), ("gemm", shape), ("norm", True), ("cublas", shape),
+                     ("gemv", torch.Size([1, 512]))]  # fmt: skip
