@@ -163,6 +163,25 @@ def norm_k(k_dim: int) -> int:
     return min(triton.next_power_of_2(k_dim), MAX_NORM_K)
 
 
+def norm_prologue(
+    x: torch.Tensor,
+    k_dim: int,
+    residual: torch.Tensor | None,
+    norm: tuple[torch.Tensor, float, torch.Tensor] | None,
+    out: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, float]:
+    """(residual, norm weight, residual out, NORM, NORM_K, eps) as the GEMV kernels take
+    their (add +) RMSNorm prologue from ``norm`` = (norm weight, eps, residual out); x and
+    out stand in for the tensors a launch without it does not read."""
+    if norm is None:
+        return x, x, out, 0, 0, 0.0
+    nw, eps, res_out = norm
+    if residual is None:
+        return x, nw, res_out, 1, norm_k(k_dim), eps
+    res = residual if residual.stride(1) == 1 else residual.contiguous()
+    return res, nw, res_out, 2, norm_k(k_dim), eps
+
+
 # Tiles per (rows, N, K) that override the rule below, None meaning cuBLAS: set by tuning runs
 # (benchmark/offline/bench_latency.py --gemv-table, from bench_gemv.py --write-table).
 TABLE: dict[tuple[int, int, int], Tiles | None] = {}
@@ -250,20 +269,16 @@ def _launch(
     assert rows <= MAX_ROWS and weight.shape[1] == k_dim and weight.stride(1) == 1
     if x.stride(1) != 1:
         x = x.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    nw, eps, res_out = norm if norm is not None else (weight, 0.0, out)
-    res = residual if residual is not None else x
-    mode = 0 if norm is None else (2 if residual is not None else 1)
+    res, nw, res_out, mode, nk, eps = norm_prologue(x, k_dim, residual, norm, out)
     block_m, block_n, block_k, warps, stages, flat = tiles or gemv_tiles(rows)
     _gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, bias if bias is not None else weight, out, res, nw, res_out, rows, n_cols,
         k_dim, x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
         HAS_BIAS=bias is not None, SILU_X=silu_x, NORM=mode, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, FLAT=bool(flat) and block_m == 1, NORM_K=norm_k(k_dim) if mode else 0,
-        num_warps=warps, num_stages=stages, **pdl_args(),
+        BLOCK_K=block_k, FLAT=bool(flat) and block_m == 1, NORM_K=nk, num_warps=warps,
+        num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels import cdiv
-from minisgl.kernels.gemv import _rows_rstd, _x_tile, norm_k
+from minisgl.kernels.gemv import _rows_rstd, _x_tile, norm_prologue
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 MAX_ROWS = 4
@@ -225,8 +225,6 @@ def _launch(
     assert scales.shape == (n_cols // sn, k_dim // sk) and scales.dtype == torch.float32
     if x.stride(1) != 1:
         x = x.contiguous()
-    if residual is not None and residual.stride(1) != 1:
-        residual = residual.contiguous()
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
@@ -236,16 +234,13 @@ def _launch(
     row_scale = sk == k_dim
     if not row_scale:
         block_n = min(block_n, sn & -sn)  # a power of two dividing SN
-    nw, eps, res_out = norm if norm is not None else (x, 0.0, out)
-    res = residual if residual is not None else x
-    mode = 0 if norm is None else (2 if residual is not None else 1)
+    res, nw, res_out, mode, nk, eps = norm_prologue(x, k_dim, residual, norm, out)
     _fp8_gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, scales, bias if bias is not None else scales, out, res, nw, res_out, rows,
         n_cols, k_dim, x.stride(0), out.stride(0), scales.stride(0), res.stride(0), eps,
         SN=sn, SK=sk, ROW_SCALE=row_scale, HAS_BIAS=bias is not None, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=prefetch, R=r, FLAT=bool(flat) and block_m == 1,
-        SILU=silu_x, NORM=mode, NORM_K=norm_k(k_dim) if mode else 0, num_warps=warps,
-        num_stages=stages, **pdl_args(),
+        SILU=silu_x, NORM=mode, NORM_K=nk, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out
 
