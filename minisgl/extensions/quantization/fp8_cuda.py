@@ -183,8 +183,8 @@ def fp8_norm_forward(
     bias: torch.Tensor | None,
     in_gemv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(`fp8_forward` of rmsnorm(x + residual), x + residual): in the GEMV's rows with the norm
-    in its prologue where ``in_gemv`` (the engine's fused_norm_gemv); in the GEMM's with the
+    """(`fp8_forward` of rmsnorm(x + residual), x + residual): in the GEMV's one row with the
+    norm in its prologue where ``in_gemv`` (the engine's fused_norm_gemv); in the GEMM's with the
     activations quantized by the norm's kernel (kernels/norm.add_rms_norm_quant: the same
     bits as the norm, then the quantizer) unless MINISGL_FP8_FUSED_ACT is off. None where
     the caller should run the norm first, or the inputs' dtype is not the norm weight's."""
@@ -193,7 +193,7 @@ def fp8_norm_forward(
     if x.dtype != norm_weight.dtype:
         return None
     if route == "gemv":
-        if not in_gemv:
+        if not in_gemv or x.shape[0] != 1:  # batch 1, as the bf16 GEMV's norm prologue
             return None
         from minisgl.extensions.quantization.kernels import fp8_gemv
 

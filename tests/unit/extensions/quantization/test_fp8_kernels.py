@@ -342,8 +342,8 @@ def test_silu_fusion_routes() -> None:
 def test_norm_fusion_routes() -> None:
     """A q/k/v or gate/up projection given its RMSNorm's input: the GEMM's rows quantize in
     the norm's kernel (scales column-major for cuBLAS) unless MINISGL_FP8_FUSED_ACT is off;
-    the GEMV's rows (weight-only) take the norm in the GEMV's prologue where the engine
-    allows it (fused_norm_gemv), else decline. Shapes only (meta tensors), the kernels
+    the GEMV's one row (weight-only) takes the norm in the GEMV's prologue where the engine
+    allows it (fused_norm_gemv), else declines, as do its 2-4 rows. Shapes only (meta tensors), the kernels
     replaced by recorders."""
     from unittest import mock
 
@@ -385,6 +385,8 @@ def test_norm_fusion_routes() -> None:
                         assert (y is None) == (rows == 1 or not fused)
         x = torch.empty(1, 512, device="meta")
         assert fp8_cuda.fp8_norm_forward(layer, x, None, w, 1e-6, None, True) is not None
+        x = torch.empty(2, 512, device="meta")  # the GEMV's rows, but batch 1 only
+        assert fp8_cuda.fp8_norm_forward(layer, x, None, w, 1e-6, None, True) is None
     shape = torch.Size([64, 512])
     assert calls == [("norm", False), ("gemm", shape), ("norm", True), ("cublas", shape),
                      ("gemv", torch.Size([1, 512]))]  # fmt: skip
