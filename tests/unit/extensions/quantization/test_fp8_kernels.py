@@ -343,8 +343,8 @@ def test_norm_fusion_routes() -> None:
     """A q/k/v or gate/up projection given its RMSNorm's input: the GEMM's rows quantize in
     the norm's kernel (scales column-major for cuBLAS) unless MINISGL_FP8_FUSED_ACT is off;
     the GEMV's one row (weight-only) takes the norm in the GEMV's prologue where the engine
-    allows it (fused_norm_gemv), else declines, as do its 2-4 rows. Shapes only (meta tensors), the kernels
-    replaced by recorders."""
+    allows it (fused_norm_gemv), else declines, as do its 2-4 rows. Shapes only (meta
+    tensors), the kernels replaced by recorders."""
     from unittest import mock
 
     from minisgl.extensions.quantization import FP8_CUBLAS, FP8_FUSED_ACT, fp8_cuda
