@@ -229,12 +229,14 @@ class Engine:
             [*segments, prev_pos, prev_rows, *rows_and_steps, *fills, *table], torch.long
         )
         ids, pos, slots, logits_idx, prev_pos_d, prev_rows_d, table_rows, steps = staged[:8]
+        fill_pos_d, fill_src_d, *table_d = staged[8:]
         if table:  # the page table's new entries, before anything reads the table
-            self.page_table[staged[10], staged[11]] = staged[12]
+            table_rows_d, table_cols_d, table_values_d = table_d
+            self.page_table[table_rows_d, table_cols_d] = table_values_d
         if step.from_previous:
             ids[prev_pos_d] = self.last_tokens[prev_rows_d]
         if fill is not None and fill.positions:
-            ids[staged[8]] = fill.values.view(-1)[staged[9]]
+            ids[fill_pos_d] = fill.values.view(-1)[fill_src_d]
         # A decode graph scores every row's last token, in order: nothing else.
         graph_ok = len(sample_rows) == len(layout.req_rows) and not step.hooks
         logits = self.run_model(layout, ids, pos, slots, logits_idx, graph_ok)

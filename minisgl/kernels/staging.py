@@ -104,7 +104,7 @@ class DeviceStager:
         self, total: int, dtype: torch.dtype, arrays: list[np.ndarray], offsets: list[int]
     ) -> torch.Tensor:
         """The next ring slot's pinned buffer as ``total`` elements holding the segments."""
-        nbytes = total * torch.empty(0, dtype=dtype).element_size()
+        nbytes = total * dtype.itemsize
         host = self._buffer(nbytes)[:nbytes].view(dtype)
         _fill(host.numpy(), arrays, offsets)
         return host
