@@ -150,6 +150,12 @@ class EngineConfig:
         "compute each decoder layer's pre-norms inside the batch-1 GEMV of the q/k/v and "
         "gate/up projections (CUDA, TP 1; 1 / rms summed in another order; off until measured)",
     )
+    fused_decode_rope: bool = option(
+        False,
+        "at pure decode steps, compute q/k norm, RoPE and the KV-cache store inside the decode "
+        "attention kernel instead of as their own kernel (CUDA, with the fused rope store; "
+        "1 / rms summed in another order; off until measured)",
+    )
     tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size", low=1)
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP.
