@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -241,11 +241,64 @@ def check_int32_indices_and_contiguous_inputs(device: torch.device) -> None:
     assert_matches(c, "int32 positions and slots, contiguous q/k/v")
 
 
+def _greedy(model: Path, fold: bool, dtype: str) -> tuple[list[object], list[object], int]:
+    """A tiny model's greedy tokens and their logprobs through the offline API on the CPU,
+    with the fused K/V store forced on (the engine turns it on for CUDA only) and the fold
+    on or off; and how many folded decode launches ran."""
+    from unittest import mock
+
+    from minisgl import LLM, SamplingParams
+    from minisgl.attention import triton_backend
+    from minisgl.engine import engine
+
+    make_backend, decode_attention = engine.make_backend, triton_backend.decode_attention
+    folds = 0
+
+    def fused_backend(name: str, pool: Any, device: Any, stager: Any, *flags: bool) -> Any:
+        return make_backend(name, pool, device, stager, True, fold)
+
+    def counting(*args: Any, **kw: Any) -> torch.Tensor:
+        nonlocal folds
+        folds += kw.get("fold") is not None
+        return decode_attention(*args, **kw)
+
+    with (
+        mock.patch.object(engine, "make_backend", fused_backend),
+        mock.patch.object(triton_backend, "decode_attention", counting),
+    ):
+        llm = LLM(str(model), attention_backend="triton", dtype=dtype, cuda_graph_max_bs=0)
+        prompts = [list(range(3, 40)), list(range(50, 61))]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True)
+                  for n in (6, 3)]  # fmt: skip
+        out = llm.generate(prompts, params, use_tqdm=False)
+        llm.close()
+    return [r["token_ids"] for r in out], [r["logprobs"] for r in out], folds
+
+
+def check_tiny_models_decode_alike(device: torch.device) -> None:
+    """Tiny random Qwen3 (q/k norm) and Llama (none) models decode the same tokens with the
+    same logprobs with the fold on and off (two rows, then one). CPU only (slow: ~8 s a
+    model in the interpreter): on CUDA tests/gpu/test_decode_fold_gpu.py decodes natively,
+    teacher-forced."""
+    import tempfile
+
+    from tests.helpers import make_tiny_model
+
+    if device.type != "cpu":
+        raise kernel_checks.Skip("tests/gpu/test_decode_fold_gpu.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch, dtype in (("qwen3", "float32"), ("qwen3", "bfloat16"), ("llama", "float32")):
+            model = make_tiny_model(Path(tmp) / arch, arch)
+            tokens, logprobs, folds = _greedy(model, True, dtype)
+            assert folds > 0, "the fold was not taken"
+            assert (tokens, logprobs, 0) == _greedy(model, False, dtype), (arch, dtype)
+
+
 CHECKS = kernel_checks.collect(globals())
 
 
 test_interpreted, test_on_gpu = kernel_checks.make_tests(
-    __file__, CHECKS, slow=("more_modes_and_shapes",)
+    __file__, CHECKS, slow=("more_modes_and_shapes", "tiny_models_decode_alike")
 )
 
 
