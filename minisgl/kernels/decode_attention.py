@@ -88,10 +88,6 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
     if FOLD:
-        q = norm_rope_rows(
-            q_ptr + tok * stride_qt, heads * stride_qh, h_mask, offs_d, d_mask, partner, c, s,
-            qw, qw_p, n_cols, eps, HAS_NORM, ASM,
-        )  # fmt: skip
         if split == n_splits - 1:  # the chunk that holds the new token: store it first
             kv_off = slot * stride_cs + kv_head * stride_ch
             store_new_kv(
@@ -103,6 +99,12 @@ def _decode_split_kernel(
             # The stores are visible to every thread of the program after it: the tiles
             # below read the new token back from the cache (the peeled one included).
             tl.debug_barrier()
+        # After the store (not before it), so that the other chunks' programs load q and
+        # their first K/V tile together, as without the fold.
+        q = norm_rope_rows(
+            q_ptr + tok * stride_qt, heads * stride_qh, h_mask, offs_d, d_mask, partner, c, s,
+            qw, qw_p, n_cols, eps, HAS_NORM, ASM,
+        )  # fmt: skip
     else:
         q_off = tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptr + q_off, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
