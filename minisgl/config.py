@@ -151,6 +151,12 @@ class EngineConfig:
         "q/k/v and gate/up projections (CUDA, TP 1; 1 / rms summed in another order; off "
         "until measured)",
     )
+    disable_fused_decode_rope: bool = option(
+        False,
+        "at pure decode steps, run q/k norm, RoPE and the KV-cache store as their own kernel "
+        "instead of inside the decode attention kernel (CUDA, with the fused rope store; the "
+        "folded path sums 1 / rms in another order)",
+    )
     tp_size: int = option(1, "tensor-parallel degree", "--tp", "--tensor-parallel-size", low=1)
     # Multi-node TP (SGLang's names): tp_size // nnodes ranks per node; node 0 holds rank 0
     # and is the only one that serves HTTP.

@@ -1,9 +1,10 @@
 """The decode kernel's sm_90 machine code without a GPU: compile a launch configuration with
 the installed Triton (its bundled ptxas and cuobjdump) and count instructions by opcode.
 
-    python benchmark/gpu/sass_decode.py KV MODE BLOCK_N WARPS STAGES [--split]
+    python benchmark/gpu/sass_decode.py KV MODE BLOCK_N WARPS STAGES [--split] [--fold]
 
-KV is bf16 or e4m3, MODE the fp8 conversion mode (kernels/fp8_kv.py). Qwen3-0.6B heads
+KV is bf16 or e4m3, MODE the fp8 conversion mode (kernels/fp8_kv.py); ``--fold``: q/k norm,
+RoPE and the K/V store folded in (kernels/decode_fold.py, with q/k norm). Qwen3-0.6B heads
 (group 2, head_dim 128), PDL on, pointers and strides 16-divisible as the engine's launches
 specialise them. Prints registers / stack / shared memory, the memory instructions by width,
 and the 16 most frequent opcodes (static counts, the prologue included).
@@ -23,13 +24,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+_FOLD_STRIDES = ("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cos", "stride_sin")
 _STRIDES = ("stride_qt", "stride_qh", "stride_cs", "stride_ch", "stride_pt", "stride_mo_b",
             "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h")  # fmt: skip
 _DIV16 = {"stride_qt", "stride_qh", "stride_cs", "stride_ch", "stride_pt", "stride_mo_b",
-          "stride_mo_h"}  # fmt: skip
+          "stride_mo_h", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cos",
+          "stride_sin"}  # fmt: skip
 
 
-def compile_decode(kv: str, mode: int, tiles: tuple[int, int, int], direct: bool) -> Any:
+def compile_decode(
+    kv: str, mode: int, tiles: tuple[int, int, int], direct: bool, fold: bool = False
+) -> Any:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -44,10 +49,15 @@ def compile_decode(kv: str, mode: int, tiles: tuple[int, int, int], direct: bool
         "mid_lse_ptr": "*fp32", "qk_scale": "fp32", "v_mul": "fp32",
     }  # fmt: skip
     sig.update(dict.fromkeys(_STRIDES, "i32"))
+    sig.update({"k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "slots_ptr": "*i64",
+                "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+                "eps": "fp32", "n_cols": "i32"})  # fmt: skip
+    sig.update(dict.fromkeys(_FOLD_STRIDES, "i32"))
     block_n, warps, stages = tiles
     consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=block_n,
                   DOT_PREC="tf32", UPCAST=False, GATHER=False, DIRECT=direct, KV_F16=mode,
-                  E5M2=False, V_SCALED=mode in (2, 3), ASM=True, PDL=True)  # fmt: skip
+                  E5M2=False, V_SCALED=mode in (2, 3), ASM=True, FOLD=fold, HAS_NORM=fold,
+                  PDL=True)  # fmt: skip
     sig.update(dict.fromkeys(consts, "constexpr"))
     names = list(sig)
     attrs = {
@@ -86,10 +96,11 @@ def main() -> None:
     ap.add_argument("mode", type=int, choices=(0, 1, 2, 3))
     ap.add_argument("tiles", type=int, nargs=3, metavar=("BLOCK_N", "WARPS", "STAGES"))
     ap.add_argument("--split", action="store_true", help="the split kernel (not DIRECT)")
+    ap.add_argument("--fold", action="store_true", help="q/k norm, RoPE, K/V store folded in")
     args = ap.parse_args()
     if args.kv == "bf16" and args.mode:
         ap.error("a bf16 cache has mode 0 only")
-    report(compile_decode(args.kv, args.mode, tuple(args.tiles), not args.split))
+    report(compile_decode(args.kv, args.mode, tuple(args.tiles), not args.split, args.fold))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,20 @@ class ForwardBatch:
     logits_index: torch.Tensor  # [R] flat indices of the tokens whose next token is sampled
 
 
+@dataclass(frozen=True)
+class QKNormRope:
+    """What a ``fused_kv_store`` backend needs to norm and rotate raw q/k itself: RoPE's
+    ``positions`` [T] and ``cos``/``sin`` tables [max_pos, D], and the q/k RMSNorm weights
+    [D] with their eps (both or neither: models without q/k norm)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 1e-6
+
+
 def padded_batch_size(rows: int) -> int:
     """The size a decode batch of ``rows`` is planned and CUDA-graph captured as: 1, 2, 4, 8,
     then every 8 up to 64, every 16 beyond (little padding waste where it counts). Backends
@@ -62,9 +76,9 @@ def padded_batch_size(rows: int) -> int:
 
 
 class AttentionBackend(ABC):
-    # True: the attention layer writes this step's K/V into ``pool`` itself (fused with its
-    # q/k norm and RoPE, see kernels/qk_rope_store.py) and calls ``attend`` instead of
-    # ``forward``. Set per instance by backends that implement ``attend``.
+    # True: the attention layer hands this step's raw q/k/v to ``forward_norm_rope``, which
+    # norms, rotates and stores them fused (kernels/qk_rope_store.py) before ``attend``,
+    # instead of calling ``forward``. Set per instance by backends that implement ``attend``.
     fused_kv_store: bool = False
 
     def __init__(self, pool: KVPool) -> None:
@@ -103,3 +117,28 @@ class AttentionBackend(ABC):
         """Attend with this step's K/V already in the pool (``fused_kv_store``): ``forward``
         without the store. q: [T, Hq, D]; out [T, Hq*D]."""
         raise NotImplementedError(f"{type(self).__name__} stores K/V in forward only")
+
+    def forward_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: QKNormRope,
+        layer_id: int,
+        out_slots: torch.Tensor,
+        metadata: object,
+        scale: float,
+    ) -> torch.Tensor:
+        """``fused_kv_store``: ``forward`` from raw q/k/v (strided views of the projection's
+        output), q/k norm and RoPE included; the layer's cache scales must be 1.0 (the
+        fused store writes values unscaled). Here one kernel norms, rotates and stores
+        (bit-identical to the unfused kernels), then ``attend``; a backend may fold that
+        work into its own kernels instead."""
+        # Imported here so CPU-only installs never need triton.
+        from minisgl.kernels.qk_rope_store import fused_qk_norm_rope_store
+
+        pool = self.pool
+        store = (pool.k(layer_id), pool.v(layer_id), out_slots)
+        norm = (rope.q_weight, rope.k_weight, rope.eps)
+        q = fused_qk_norm_rope_store(q, k, v, rope.positions, rope.cos, rope.sin, *store, *norm)
+        return self.attend(q, layer_id, metadata, scale)

@@ -25,10 +25,17 @@ if TYPE_CHECKING:
 
 class BackendFactory(Protocol):
     def __call__(
-        self, pool: KVPool, device: torch.device, stager: DeviceStager, fused_kv_store: bool
+        self,
+        pool: KVPool,
+        device: torch.device,
+        stager: DeviceStager,
+        fused_kv_store: bool,
+        fused_decode_rope: bool,
     ) -> AttentionBackend:
         """``fused_kv_store``: the layers may store K/V themselves, fused with q/k norm and
-        RoPE (AttentionBackend.fused_kv_store); a backend without ``attend`` ignores it."""
+        RoPE (AttentionBackend.fused_kv_store); a backend without ``attend`` ignores it.
+        ``fused_decode_rope`` (with it): a backend may fold that work into its decode
+        attention (the engine's ``fused_decode_rope``); others ignore it."""
         ...
 
 
@@ -46,7 +53,12 @@ def backend_names() -> list[str]:
 
 
 def make_backend(
-    name: str, pool: KVPool, device: torch.device, stager: DeviceStager, fused_kv_store: bool
+    name: str,
+    pool: KVPool,
+    device: torch.device,
+    stager: DeviceStager,
+    fused_kv_store: bool,
+    fused_decode_rope: bool,
 ) -> AttentionBackend:
     """The backend ``name`` ("auto": triton on CUDA, torch elsewhere) over ``pool``."""
     if name == "auto":
@@ -57,11 +69,15 @@ def make_backend(
             f"attention_backend={name!r} is invalid: auto or a registered backend "
             f"({', '.join(backend_names())})"
         )
-    return factory(pool, device, stager, fused_kv_store)
+    return factory(pool, device, stager, fused_kv_store, fused_decode_rope)
 
 
 def _torch(
-    pool: KVPool, device: torch.device, stager: DeviceStager, fused_kv_store: bool
+    pool: KVPool,
+    device: torch.device,
+    stager: DeviceStager,
+    fused_kv_store: bool,
+    fused_decode_rope: bool,
 ) -> AttentionBackend:
     from minisgl.attention.torch_backend import TorchBackend
 
@@ -69,11 +85,17 @@ def _torch(
 
 
 def _triton(
-    pool: KVPool, device: torch.device, stager: DeviceStager, fused_kv_store: bool
+    pool: KVPool,
+    device: torch.device,
+    stager: DeviceStager,
+    fused_kv_store: bool,
+    fused_decode_rope: bool,
 ) -> AttentionBackend:
     from minisgl.attention.triton_backend import TritonBackend
 
-    return TritonBackend(pool, stager=stager, fused_kv_store=fused_kv_store)
+    return TritonBackend(
+        pool, stager=stager, fused_kv_store=fused_kv_store, fused_decode_rope=fused_decode_rope
+    )
 
 
 register_backend("torch", _torch)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import AttentionBackend, BatchLayout, padded_batch_size
+from minisgl.attention.base import AttentionBackend, BatchLayout, QKNormRope, padded_batch_size
 from minisgl.attention.triton_plan import (
     MIXED_DECODE_SPLITS,
     MIXED_SPLIT_TOKENS,
@@ -23,6 +23,7 @@ from minisgl.env import FP8_KV_MODE
 from minisgl.kernels import cdiv
 from minisgl.kernels.attention import extend_attention
 from minisgl.kernels.decode_attention import decode_attention
+from minisgl.kernels.decode_fold import DecodeFold
 from minisgl.kernels.fp8_kv import UPCAST, KVRead
 from minisgl.kernels.staging import DeviceStager
 from minisgl.kernels.store import store_kv
@@ -76,12 +77,16 @@ class TritonBackend(AttentionBackend):
         extend_block_n: int | None = None,
         stager: DeviceStager | None = None,
         fused_kv_store: bool = False,
+        fused_decode_rope: bool = False,
         fp8_mode: int | None = None,
     ) -> None:
         super().__init__(pool)
         self.stager = stager
         # The engine turns this on for CUDA runs (see AttentionBackend.fused_kv_store).
         self.fused_kv_store = fused_kv_store
+        # And this one unless --disable-fused-decode-rope: pure decode steps norm, rotate and store the
+        # new q/k/v inside the decode kernel (forward_norm_rope).
+        self.fused_decode_rope = fused_decode_rope
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
         self.mixed_split_tokens = mixed_split_tokens
@@ -238,9 +243,31 @@ class TritonBackend(AttentionBackend):
         store_kv(pool.k(layer_id), pool.v(layer_id), k, v, out_slots, *scales)
         return self.attend(q, layer_id, metadata, scale)
 
-    def attend(
-        self, q: torch.Tensor, layer_id: int, metadata: object, scale: float
+    def forward_norm_rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: QKNormRope,
+        layer_id: int,
+        out_slots: torch.Tensor,
+        metadata: object,
+        scale: float,
     ) -> torch.Tensor:
+        md = metadata
+        assert isinstance(md, TritonMetadata)
+        if not (self.fused_decode_rope and md.is_decode):
+            return super().forward_norm_rope(q, k, v, rope, layer_id, out_slots, md, scale)
+        # A pure decode step: one launch fewer per layer at batch 1 (kernels/decode_fold.py).
+        norm = (rope.q_weight, rope.k_weight, rope.eps)
+        fold = DecodeFold(k, v, out_slots, rope.positions, rope.cos, rope.sin, *norm)
+        return self.attend(q, layer_id, md, scale, fold)
+
+    def attend(
+        self, q: torch.Tensor, layer_id: int, metadata: object, scale: float,
+        fold: DecodeFold | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``fold``: a decode step's raw q and its new k/v (forward_norm_rope)."""
         md = metadata
         assert isinstance(md, TritonMetadata)
         k, v, kv = self.pool.k(layer_id), self.pool.v(layer_id), self.kv_read(layer_id)
@@ -248,24 +275,12 @@ class TritonBackend(AttentionBackend):
         # its (block_n, warps, stages).
         plan = (md.num_splits, md.max_splits, scale, *self._decode_tiles(md.max_splits))
         if md.is_decode:
-            return decode_attention(q, k, v, md.page_table, md.row_ids, md.seq_lens, *plan, kv=kv)
-        out = extend_attention(
-            q,
-            k,
-            v,
-            md.page_table,
-            md.row_ids,
-            md.prefix_lens,
-            md.extend_lens,
-            md.extend_starts,
-            md.block_batch,
-            md.block_qstart,
-            scale,
-            md.block_m,
-            md.block_n,
-            md.num_warps,
-            kv=kv,
-        )
+            table, rows, lens = md.page_table, md.row_ids, md.seq_lens
+            return decode_attention(q, k, v, table, rows, lens, *plan, kv=kv, fold=fold)
+        assert fold is None, "only pure decode steps fold q/k norm and RoPE into attention"
+        ext = (md.page_table, md.row_ids, md.prefix_lens, md.extend_lens, md.extend_starts,
+               md.block_batch, md.block_qstart, scale, md.block_m, md.block_n, md.num_warps)  # fmt: skip
+        out = extend_attention(q, k, v, *ext, kv=kv)
         if md.dec_rows:  # the one-token rows of a mixed batch, into the same output
             dec = (md.dec_row_ids, md.dec_seq_lens, *plan, md.dec_tokens, out.view(q.shape))
             decode_attention(q, k, v, md.page_table, *dec, kv=kv)

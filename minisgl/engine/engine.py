@@ -152,8 +152,9 @@ class Engine:
         # Fused only on CUDA: there the unfused layers run the same Triton kernels, so the
         # switch never changes outputs (on CPU they fall back to torch).
         fused = self.device.type == "cuda" and not self.config.disable_fused_rope_store
+        fold = fused and not self.config.disable_fused_decode_rope  # into decode attention
         name = self.config.attention_backend
-        return make_backend(name, self.pool, self.device, self.stager, fused)
+        return make_backend(name, self.pool, self.device, self.stager, fused, fold)
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:

@@ -19,6 +19,13 @@ from minisgl.kernels.attention import (
     tile_slots,
     unit_last_stride,
 )
+from minisgl.kernels.decode_fold import (
+    DecodeFold,
+    fold_args,
+    fold_constants,
+    norm_rope_rows,
+    store_new_kv,
+)
 from minisgl.kernels.fp8_kv import KVRead
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
@@ -29,10 +36,13 @@ def _decode_split_kernel(
     q_index_ptr, mid_o_ptr, mid_lse_ptr, qk_scale, v_mul,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_pt,
     stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    k_ptr, v_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, eps, n_cols,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
     GATHER: tl.constexpr, DIRECT: tl.constexpr, KV_F16: tl.constexpr, E5M2: tl.constexpr,
-    V_SCALED: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    V_SCALED: tl.constexpr, ASM: tl.constexpr, FOLD: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # One program = one request x one KV head x one KV chunk; the GROUP query heads sharing
     # that KV head form the M dimension of the dots, so each K/V tile is loaded once.
@@ -63,6 +73,13 @@ def _decode_split_kernel(
         first_pos = start + offs_n
         first_mask = first_pos < end
         first_slots = tile_slots(pt_row_ptr, first_pos, first_mask, True)
+    if FOLD:  # q/k/v arrive raw: norm, RoPE and the K/V store happen here (decode_fold.py)
+        cols = tl.arange(0, BLOCK_D)
+        partner, c, s, qw, qw_p, kw, kw_p = fold_constants(
+            pos_ptr, tok, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_cos, stride_sin, cols,
+            cols < HEAD_DIM, HEAD_DIM // 2, HAS_NORM, q_ptr.dtype.element_ty,
+        )  # fmt: skip
+        slot = tl.load(slots_ptr + tok).to(tl.int64)
     pdl_wait(PDL)  # q and the K/V cache: the kernels before this one write them
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -70,8 +87,27 @@ def _decode_split_kernel(
     h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
-    q_off = tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if FOLD:
+        if split == n_splits - 1:  # the chunk that holds the new token: store it first
+            kv_off = slot * stride_cs + kv_head * stride_ch
+            store_new_kv(
+                k_ptr + tok * stride_kt + kv_head * stride_kh,
+                v_ptr + tok * stride_vt + kv_head * stride_vh, k_cache_ptr + kv_off,
+                v_cache_ptr + kv_off, offs_h, offs_d, d_mask, partner, c, s, kw, kw_p, n_cols,
+                eps, HAS_NORM, ASM, KV_F16 != 0, E5M2,
+            )  # fmt: skip
+            # The stores are visible to every thread of the program after it: the tiles
+            # below read the new token back from the cache (the peeled one included).
+            tl.debug_barrier()
+        # After the store (not before it), so that the other chunks' programs load q and
+        # their first K/V tile together, as without the fold.
+        q = norm_rope_rows(
+            q_ptr + tok * stride_qt, heads * stride_qh, h_mask, offs_d, d_mask, partner, c, s,
+            qw, qw_p, n_cols, eps, HAS_NORM, ASM,
+        )  # fmt: skip
+    else:
+        q_off = tok * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     if KV_F16:
         q = q.to(tl.float16)  # fp8 tiles reach the dots as float16 (fp8_kv.py)
     if UPCAST:
@@ -170,6 +206,7 @@ def decode_attention(
     q_index: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     kv: KVRead = KVRead(),
+    fold: DecodeFold | None = None,
 ) -> torch.Tensor:
     """One new token per row: q [B, Hq, D] -> out [B, Hq * D]. The grid (B, Hk, max_splits)
     depends only on B, so a CUDA graph replays with new lengths; ``num_splits`` [B] (device,
@@ -179,7 +216,12 @@ def decode_attention(
     With ``q_index`` [B] the rows are the one-token rows of a mixed batch: row b's query is
     token ``q_index[b]`` of q [T, Hq, D], and its result goes to that token's row of ``out``
     [T, Hq, D] (shared with the extend kernel, which writes the other tokens). ``kv``: the
-    cache's scales and how fp8 tiles are converted (kernels/fp8_kv.py)."""
+    cache's scales and how fp8 tiles are converted (kernels/fp8_kv.py).
+
+    With ``fold`` (a pure decode step, no ``q_index``; the cache's scales 1.0) q arrives
+    raw, before its norm and RoPE, and the kernel also norms, rotates and stores the new
+    k/v (kernels/decode_fold.py): what fused_qk_norm_rope_store would do before it."""
+    assert fold is None or (q_index is None and kv.k_scale == kv.v_scale == 1.0)
     q = unit_last_stride(q)
     k_cache, v_cache, qk_scale, v_mul, kv_consts = kv.launch(k_cache, v_cache, q.dtype, sm_scale)
     num_tokens, hq, d = q.shape
@@ -191,6 +233,7 @@ def decode_attention(
         out = torch.empty(num_tokens, hq, d, dtype=q.dtype, device=q.device)
     gather = q_index is not None
     q_index_arg = q_index if q_index is not None else num_splits
+    fold_in, fold_consts = fold_args(fold, q)
     if max_splits == 1:
         # No row is split (a big batch fills the GPU): each program's result is final, so
         # it is written straight into the output and the reduction kernel is skipped.
@@ -204,10 +247,11 @@ def decode_attention(
         q, k_cache, v_cache, page_table, row_ids, seq_lens, num_splits, q_index_arg, mid_o,
         mid_lse, qk_scale, v_mul,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_table.stride(0),
-        *mo_strides, mid_lse.stride(0), mid_lse.stride(1),
+        *mo_strides, mid_lse.stride(0), mid_lse.stride(1), *fold_in,
         GROUP=group, HEAD_DIM=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d, BLOCK_N=block_n, **dot_mode(q.dtype), GATHER=gather,
-        DIRECT=max_splits == 1, **kv_consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(),
+        DIRECT=max_splits == 1, **kv_consts, **fold_consts, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(),
     )  # fmt: skip
     if max_splits == 1:
         return out.view(num_tokens, hq * d)

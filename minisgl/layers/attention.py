@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from minisgl.attention.base import QKNormRope
 from minisgl.distributed import TPInfo
 from minisgl.kernels import cpu
 from minisgl.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -64,8 +65,10 @@ class SelfAttention(nn.Module):
         pool.wait_layer(layer)  # a prefix loaded back from a tier (HiCache)
         unscaled = pool.k_scales[layer] == 1.0 and pool.v_scales[layer] == 1.0
         if backend.fused_kv_store and unscaled:  # the fused store writes unscaled values
-            q = self._norm_rope_store(q, k, v, batch)
-            out = backend.attend(q, self.layer_id, batch.attn_metadata, self.scale)
+            norm_rope, md = self._norm_rope(batch), batch.attn_metadata
+            out = backend.forward_norm_rope(
+                q, k, v, norm_rope, layer, batch.out_slots, md, self.scale
+            )
         else:
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -80,18 +83,10 @@ class SelfAttention(nn.Module):
             )
         return self.o_proj(out, reduce)
 
-    def _norm_rope_store(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        """q/k norm, RoPE and the K/V store in one kernel (bit-identical to the unfused
-        path on the GPU); returns the rotated q."""
-        # Imported here so CPU-only installs never need triton.
-        from minisgl.kernels.qk_rope_store import fused_qk_norm_rope_store
-
-        pool = batch.attn_backend.pool
+    def _norm_rope(self, batch: ForwardBatch) -> QKNormRope:
+        """The arguments of q/k norm and RoPE, for a backend that applies them fused with
+        the K/V store (bit-identical to the unfused path on the GPU) or with attention."""
         rope = (batch.positions, self.rotary.cos_table, self.rotary.sin_table)
-        store = (pool.k(self.layer_id), pool.v(self.layer_id), batch.out_slots)
         if self.q_norm is None or self.k_norm is None:
-            return fused_qk_norm_rope_store(q, k, v, *rope, *store)
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        return fused_qk_norm_rope_store(q, k, v, *rope, *store, *norms)
+            return QKNormRope(*rope)
+        return QKNormRope(*rope, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)

@@ -57,6 +57,9 @@ def _workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 def _greedy(path: Path, fused: bool, **options: object) -> list[list[int]]:
     prompts, params = _workload()
+    # The fold into decode attention sums 1 / rms in its own order (checked teacher-forced
+    # in test_decode_fold_gpu.py): off here, so the store kernel alone is compared.
+    options = dict(disable_fused_decode_rope=True, **options)
     llm = LLM(str(path), disable_fused_rope_store=not fused, **options)  # type: ignore[arg-type]
     assert llm.engine.attn_backend.fused_kv_store == fused
     draft = getattr(llm.scheduler.speculator, "draft", None)  # a draft model's own engine

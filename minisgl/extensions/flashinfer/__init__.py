@@ -40,7 +40,11 @@ def check(config: EngineConfig) -> None:
 
 
 def make_backend(
-    pool: KVPool, device: torch.device, stager: DeviceStager, fused_kv_store: bool
+    pool: KVPool,
+    device: torch.device,
+    stager: DeviceStager,
+    fused_kv_store: bool,
+    fused_decode_rope: bool,
 ) -> AttentionBackend:
     from minisgl.extensions.flashinfer.backend import FlashInferBackend
 

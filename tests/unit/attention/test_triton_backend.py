@@ -72,7 +72,9 @@ def interpreted(test: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(test)
     def from_child(*args: object, **kwargs: object) -> None:
+        # "path::name[@group] (call)": xdist's loadgroup appends the group to the node id.
         name = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].rsplit(" ", 1)[0]
+        name = name.split("@", 1)[0]
         results = _child_results()
         outcome, text = results.get(name, results.get("", ("missing", f"{name} did not run")))
         if outcome == "skipped":

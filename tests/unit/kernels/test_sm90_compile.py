@@ -142,7 +142,36 @@ def norm_quant(block_m: int, block_n: int) -> None:
     _compile(_rms_norm_kernel, sig, consts, 4, 3)
 
 
+def decode_fold(kv: str, mode: int, direct: bool) -> None:
+    """The decode kernel with q/k norm, RoPE and the K/V store folded in (decode_fold.py:
+    inline mul.rn, the barrier, an fp8 cache stored as bytes in modes 1-3)."""
+    from minisgl.kernels.decode_attention import _decode_split_kernel
+
+    cache = "*bf16" if kv == "bf16" else ("*fp8e4nv" if mode == 0 else "*u8")
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": cache, "v_cache_ptr": cache,
+           "page_table_ptr": "*i32", "row_ids_ptr": "*i32", "seq_lens_ptr": "*i32",
+           "num_splits_ptr": "*i32", "q_index_ptr": "*i32",
+           "mid_o_ptr": "*bf16" if direct else "*fp32", "mid_lse_ptr": "*fp32",
+           "qk_scale": "fp32", "v_mul": "fp32"}  # fmt: skip
+    strides = ("stride_qt", "stride_qh", "stride_cs", "stride_ch", "stride_pt", "stride_mo_b",
+               "stride_mo_h", "stride_mo_s", "stride_ml_b", "stride_ml_h")  # fmt: skip
+    sig |= dict.fromkeys(strides, _I32)
+    sig |= {"k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "slots_ptr": "*i64",
+            "cos_ptr": "*fp32", "sin_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+            "eps": "fp32", "n_cols": _I32}  # fmt: skip
+    sig |= dict.fromkeys(("stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_cos",
+                          "stride_sin"), _I32)  # fmt: skip
+    block_n = 128 if direct else 64  # the engine's tiles (triton_plan.decode_tiles)
+    consts = dict(GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=block_n,
+                  DOT_PREC="tf32", UPCAST=False, GATHER=False, DIRECT=direct, KV_F16=mode,
+                  E5M2=False, V_SCALED=mode in (2, 3), ASM=True, FOLD=True, HAS_NORM=True,
+                  PDL=True)  # fmt: skip
+    _compile(_decode_split_kernel, sig, consts, 4, 1)
+
+
 CASES = {
+    "decode_fold_split": functools.partial(decode_fold, "bf16", 0, False),
+    "decode_fold_fp8_bytes_direct": functools.partial(decode_fold, "e4m3", 1, True),
     "norm_quant_8b": functools.partial(norm_quant, 1, 4096),
     "norm_quant_0_6b": functools.partial(norm_quant, 2, 1024),
     "fp8_silu_inputs": fp8_silu_inputs,
