@@ -61,8 +61,7 @@ class TritonMetadata:
 
 class TritonBackend(AttentionBackend):
     # CUDA graphs (engine/cuda_graph.py) take this backend only: decode launch shapes depend
-    # only on the batch size, so a graph captured on one batch's metadata replays any
-    # same-size decode batch after refresh.
+    # only on the batch size, so a graph replays any same-size decode batch after refresh.
 
     def __init__(
         self,
@@ -82,10 +81,9 @@ class TritonBackend(AttentionBackend):
     ) -> None:
         super().__init__(pool)
         self.stager = stager
-        # The engine turns this on for CUDA runs (see AttentionBackend.fused_kv_store).
+        # On for CUDA runs (AttentionBackend.fused_kv_store); with fused_decode_rope, pure
+        # decode steps norm, rotate and store q/k/v inside the decode kernel.
         self.fused_kv_store = fused_kv_store
-        # And this one unless --disable-fused-decode-rope: pure decode steps norm, rotate and store the
-        # new q/k/v inside the decode kernel (forward_norm_rope).
         self.fused_decode_rope = fused_decode_rope
         self.max_kv_splits = max_kv_splits
         self.min_split_tokens = min_split_tokens
@@ -109,11 +107,9 @@ class TritonBackend(AttentionBackend):
         return KVRead(pool.k_scales[layer_id], pool.v_scales[layer_id], self.fp8_mode)
 
     def _sm_count(self, device: torch.device) -> int:
-        if self.num_sms is None:
-            if device.type == "cuda":
-                self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-            else:
-                self.num_sms = 8  # interpreter runs: keep the split axis small
+        if self.num_sms is None:  # interpreter runs: 8, a small split axis
+            props = torch.cuda.get_device_properties
+            self.num_sms = props(device).multi_processor_count if device.type == "cuda" else 8
         return self.num_sms
 
     def prepare(self, layout: BatchLayout, device: torch.device) -> TritonMetadata:
@@ -254,19 +250,22 @@ class TritonBackend(AttentionBackend):
         metadata: object,
         scale: float,
     ) -> torch.Tensor:
-        md = metadata
-        assert isinstance(md, TritonMetadata)
-        if not (self.fused_decode_rope and md.is_decode):
-            return super().forward_norm_rope(q, k, v, rope, layer_id, out_slots, md, scale)
+        assert isinstance(metadata, TritonMetadata)
+        if not (self.fused_decode_rope and metadata.is_decode):
+            return super().forward_norm_rope(q, k, v, rope, layer_id, out_slots, metadata, scale)
         # A pure decode step: one launch fewer per layer at batch 1 (kernels/decode_fold.py).
         norm = (rope.q_weight, rope.k_weight, rope.eps)
         fold = DecodeFold(k, v, out_slots, rope.positions, rope.cos, rope.sin, *norm)
-        return self.attend(q, layer_id, md, scale, fold)
+        return self.attend(q, layer_id, metadata, scale, fold)
 
     def attend(
-        self, q: torch.Tensor, layer_id: int, metadata: object, scale: float,
+        self,
+        q: torch.Tensor,
+        layer_id: int,
+        metadata: object,
+        scale: float,
         fold: DecodeFold | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """``fold``: a decode step's raw q and its new k/v (forward_norm_rope)."""
         md = metadata
         assert isinstance(md, TritonMetadata)
@@ -278,9 +277,23 @@ class TritonBackend(AttentionBackend):
             table, rows, lens = md.page_table, md.row_ids, md.seq_lens
             return decode_attention(q, k, v, table, rows, lens, *plan, kv=kv, fold=fold)
         assert fold is None, "only pure decode steps fold q/k norm and RoPE into attention"
-        ext = (md.page_table, md.row_ids, md.prefix_lens, md.extend_lens, md.extend_starts,
-               md.block_batch, md.block_qstart, scale, md.block_m, md.block_n, md.num_warps)  # fmt: skip
-        out = extend_attention(q, k, v, *ext, kv=kv)
+        out = extend_attention(
+            q,
+            k,
+            v,
+            md.page_table,
+            md.row_ids,
+            md.prefix_lens,
+            md.extend_lens,
+            md.extend_starts,
+            md.block_batch,
+            md.block_qstart,
+            scale,
+            md.block_m,
+            md.block_n,
+            md.num_warps,
+            kv=kv,
+        )
         if md.dec_rows:  # the one-token rows of a mixed batch, into the same output
             dec = (md.dec_row_ids, md.dec_seq_lens, *plan, md.dec_tokens, out.view(q.shape))
             decode_attention(q, k, v, md.page_table, *dec, kv=kv)
