@@ -35,7 +35,7 @@ class BackendFactory(Protocol):
         """``fused_kv_store``: the layers may store K/V themselves, fused with q/k norm and
         RoPE (AttentionBackend.fused_kv_store); a backend without ``attend`` ignores it.
         ``fused_decode_rope`` (with it): a backend may fold that work into its decode
-        attention (the engine's ``fused_decode_rope``); others ignore it."""
+        attention (on unless the engine's ``disable_fused_decode_rope``); others ignore it."""
         ...
 
 

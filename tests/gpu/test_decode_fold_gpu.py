@@ -1,11 +1,10 @@
 """GPU checks of q/k norm, RoPE and the K/V store folded into the decode kernel
-(``--fused-decode-rope``, kernels/decode_fold.py; device tool: `python -m pytest tests/gpu
--m gpu`).
+(on unless ``--disable-fused-decode-rope``, kernels/decode_fold.py; device tool: `python -m
+pytest tests/gpu -m gpu`).
 
-The kernel checks of tests/unit/kernels/test_decode_fold.py run natively here (folded launch
-against fused_qk_norm_rope_store + decode_attention: v bit-equal, k and the output within the
-last bit of a normed element, where 1 / rms is summed in another order); and tiny random
-models decode teacher-forced with the fold as without it: bf16 and fp32, graphs and eager,
+The kernel checks run natively as tests/unit/kernels/test_decode_fold.py's ``test_on_gpu``
+(folded launch against fused_qk_norm_rope_store + decode_attention). Here tiny random models
+decode teacher-forced with the fold as without it: bf16 and fp32, graphs and eager,
 an fp8 cache, head_dim 128 (the production tile); and the fold is taken.
 """
 
@@ -18,21 +17,11 @@ import torch
 
 from minisgl import LLM, SamplingParams
 from tests.helpers import assert_engine_clean, make_tiny_model, teacher_forced_agreement
-from tests.kernel_checks import Skip
-from tests.unit.kernels.test_decode_fold import CHECKS
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
-
-
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_kernel_checks_on_gpu(name: str) -> None:
-    try:
-        CHECKS[name](torch.device("cuda"))
-    except Skip as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
