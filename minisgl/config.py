@@ -140,16 +140,16 @@ class EngineConfig:
         "run q/k norm, RoPE and the KV-cache store as separate kernels (CUDA; outputs are "
         "identical either way)",
     )
-    fused_silu_down: bool = option(
+    disable_fused_silu_down: bool = option(
         False,
-        "compute SiLU-and-mul inside the down projection's batch-1 GEMV (bf16, FP8) instead of "
-        "as its own kernel (CUDA; the same bits either way; off: not faster in its first GPU A/B)",
+        "run SiLU-and-mul as its own kernel instead of inside the down projection's batch-1 "
+        "GEMV (CUDA, bf16 and FP8; the same bits either way)",
     )
-    fused_norm_gemv: bool = option(
+    disable_fused_norm_gemv: bool = option(
         False,
-        "compute each decoder layer's pre-norms inside the batch-1 GEMV (bf16, FP8) of the "
-        "q/k/v and gate/up projections (CUDA, TP 1; 1 / rms summed in another order; off "
-        "until measured)",
+        "run each decoder layer's pre-norms as their own kernels instead of inside the batch-1 "
+        "GEMV (bf16, FP8) of the q/k/v and gate/up projections (CUDA, TP 1; the fused path "
+        "sums 1 / rms in another order)",
     )
     disable_fused_decode_rope: bool = option(
         False,

@@ -7,8 +7,9 @@
 # PART=28: the offline workload on Qwen3-8B-FP8, Qwen3-8B, Qwen3-30B-A3B-FP8, Qwen3-30B-A3B;
 #   batch 1 for Qwen3-8B-FP8, greedy and at temperature 0.6.
 # PART=bs1: batch 1, greedy and at temperature 0.6, for each of $MODELS.
-# PART=fuse: batch 1 with the opt-in fusions (fused_silu_down, fused_norm_gemv, both) beside
-#   the defaults, interleaved $REPS times (default 3), for each of $MODELS (default Qwen3-0.6B).
+# PART=fuse: batch 1 with the defaults beside the batch-1 GEMV fusions switched off
+#   (disable_fused_silu_down, disable_fused_norm_gemv, both), interleaved $REPS times
+#   (default 3), for each of $MODELS (default Qwen3-0.6B).
 # PART=ab: batch 1 (greedy) in this tree and in ./br (a branch from `git archive`), interleaved
 #   $REPS times (default 2), for each of $MODELS, with the engine args in $ARGS.
 # PART=suite: the GPU suite.
@@ -51,8 +52,8 @@ bs1)
   for m in ${MODELS:-Qwen3-0.6B Qwen3-8B Qwen3-8B-FP8}; do lat $m 0; lat $m 0.6; done ;;
 fuse)
   for m in ${MODELS:-Qwen3-0.6B}; do for i in $(seq ${REPS:-3}); do
-    lat $m 0; lat $m 0 fused_silu_down=true; lat $m 0 fused_norm_gemv=true
-    lat $m 0 fused_silu_down=true fused_norm_gemv=true
+    lat $m 0; lat $m 0 disable_fused_silu_down=true; lat $m 0 disable_fused_norm_gemv=true
+    lat $m 0 disable_fused_silu_down=true disable_fused_norm_gemv=true
   done; done ;;
 ab)
   for m in ${MODELS:-Qwen3-0.6B}; do for i in $(seq ${REPS:-2}); do

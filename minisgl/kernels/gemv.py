@@ -11,10 +11,10 @@ benchmark/RESULTS.md): one row on weights up to ~64M elements, e.g. Qwen3-8B's o
 GEMM plus a reduction there). cuBLAS stays on the widest weights (8B gate_up, LM heads) and
 on 2-4 rows, where it was faster at every tile tried.
 
-Tiles are (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, FLAT). FLAT (one row, off in every
-default until a sweep times it) forms the products in the weights' own 2-D layout instead of
-a 3-D [rows, N, K] one, which in the sm_90 SASS sends each weight tile through shared memory
-(RESULTS.md, 2026-12-06).
+Tiles are (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, FLAT). FLAT (one row) forms the
+products in the weights' own 2-D layout instead of a 3-D [rows, N, K] one, which in the sm_90
+SASS sends each weight tile through shared memory (RESULTS.md, 2026-12-06); the rule takes it
+where the cold sweep of the small weights (Qwen3-0.6B's) found it fastest (2026-12-08).
 """
 
 from __future__ import annotations
@@ -211,8 +211,10 @@ def gemv_choice(rows: int, n_cols: int, k_dim: int) -> Tiles | None:
         return TABLE[rows, n_cols, k_dim]
     if rows != 1 or n_cols * k_dim > 64 * 2**20:
         return None
-    if n_cols <= 1024:
-        return 1, 4, 2048, 4, 4, 0  # few column blocks: each program streams a long K
+    if n_cols <= 1024:  # few column blocks: each program streams a long K (0.6B's o, down)
+        return 1, 4, 2048, 8 if k_dim <= 2048 else 4, 3, 1
+    if k_dim <= 1024 and n_cols <= 4096:  # a short K: wide FLAT tiles (0.6B's qkv)
+        return 1, 16, 1024, 8, 3, 1
     # Qwen3-8B's down: the best tiles of the cold sweep (weights evicted from L2 between
     # calls, as in decoding); 8B batch 1 went 4.91 -> 4.60 ms/token with them (RESULTS.md).
     if k_dim >= 8192 or (k_dim >= 4096 and n_cols <= 4096):

@@ -119,8 +119,8 @@ class ColumnParallelLinear(ShardedLinear):
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(forward(rmsnorm(x + residual)), x + residual), the norm computed by the kernel
         that makes or reads this layer's input: a quantized method's (FusingQuantMethod),
-        or, ``in_gemv`` (the engine's fused_norm_gemv), one row's batch-1 GEMV. None where
-        neither runs this layer or x is a TP partial sum (its all-reduce comes first)."""
+        or, ``in_gemv`` (unless the engine's disable_fused_norm_gemv), one row's batch-1 GEMV.
+        None where neither runs this layer or x is a TP partial sum (its all-reduce comes first)."""
         if self.tp.size > 1:
             return None
         if self.fusing_quant is not None:
@@ -207,8 +207,8 @@ class RowParallelLinear(ShardedLinear):
     ) -> torch.Tensor | None:
         """forward(silu(gate) * up) from a gated MLP's [gate | up], the activation computed
         by the kernel that reads x (the same bits): a quantized method's (FusingQuantMethod),
-        or, ``in_gemv`` (the engine's fused_silu_down), one row's batch-1 GEMV. None where
-        neither runs this layer (then the caller runs the two steps)."""
+        or, ``in_gemv`` (unless the engine's disable_fused_silu_down), one row's batch-1 GEMV.
+        None where neither runs this layer (then the caller runs the two steps)."""
         if self.fusing_quant is not None:
             y = self.fusing_quant.apply_silu_mul(self, gate_up, None, in_gemv)
             return None if y is None else self._finish(y, reduce)

@@ -88,8 +88,8 @@ class FusingQuantMethod(QuantMethod, Protocol):
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None, in_gemv: bool
     ) -> torch.Tensor | None:
         """`apply` of silu(gate) * up (kernels/activation.py's bits) from ``gate_up``
-        [M, 2 in_local]. ``in_gemv``: the engine allows the fusion in batch-1 GEMVs (its
-        ``fused_silu_down``)."""
+        [M, 2 in_local]. ``in_gemv``: the engine allows the fusion in batch-1 GEMVs (unless
+        its ``disable_fused_silu_down``)."""
         ...
 
     def apply_add_rms_norm(
@@ -105,7 +105,7 @@ class FusingQuantMethod(QuantMethod, Protocol):
         """(`apply` of rmsnorm(x + residual) * norm_weight (kernels/norm.py's bits, or in a
         batch-1 GEMV kernels/gemv.py's), x + residual) for x [M, in_local] (x itself as the
         residual without one). ``in_gemv``: the engine allows the fusion in batch-1 GEMVs
-        (its ``fused_norm_gemv``)."""
+        (unless its ``disable_fused_norm_gemv``)."""
         ...
 
 

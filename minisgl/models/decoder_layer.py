@@ -48,9 +48,9 @@ class GatedMLP(nn.Module):
 
 def set_batch1_fusions(model: nn.Module, silu_down: bool, norm_gemv: bool) -> None:
     """The engine's batch-1 GEMV fusions (where a layer runs the GEMV): SiLU-and-mul inside
-    every SiLU gated MLP's down projection (``fused_silu_down``: same bits), and each
-    decoder layer's pre-norms inside the q/k/v and gate/up projections (``fused_norm_gemv``:
-    1 / rms summed in another order)."""
+    every SiLU gated MLP's down projection (off with ``disable_fused_silu_down``: same bits),
+    and each decoder layer's pre-norms inside the q/k/v and gate/up projections (off with
+    ``disable_fused_norm_gemv``: 1 / rms summed in another order)."""
     for module in model.modules():
         if isinstance(module, GatedMLP):
             module.silu_in_down = silu_down and module.is_silu

@@ -159,11 +159,12 @@ def test_fp8_engine_teacher_forced_top1(
     fp8_model: tuple[Path, Path], twin_greedy: dict, gemv: bool, norm_gemv: bool
 ) -> None:
     """CUDA graphs on: batch-1 decode steps run the FP8 GEMV (weight-only; with
-    fused_norm_gemv, the layers' pre-norms in its prologue), or with MINISGL_FP8_GEMV=0 the
+    the norm-in-GEMV fusion, the layers' pre-norms in its prologue), or with MINISGL_FP8_GEMV=0 the
     W8A8 GEMM; the prefills of the restarts the GEMM."""
     want = twin_greedy
     with env.override({FP8_GEMV: gemv}):
-        llm = LLM(str(fp8_model[0]), fused_norm_gemv=norm_gemv, **GRAPHS)  # type: ignore[arg-type]
+        options = dict(disable_fused_norm_gemv=not norm_gemv, **GRAPHS)
+        llm = LLM(str(fp8_model[0]), **options)  # type: ignore[arg-type]
         qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj  # type: ignore[union-attr,index]
         assert qkv.quant is not None and qkv.qweight.dtype == torch.float8_e4m3fn
         top1, diff = teacher_forced_agreement(llm, PROMPT, want["token_ids"], want["logprobs"])
@@ -175,7 +176,7 @@ def test_fp8_engine_teacher_forced_top1(
 
 def test_fp8_fused_activations_same_tokens(fp8_model: tuple[Path, Path]) -> None:
     """The steps before the FP8 products fused into the kernels that read or make their
-    input (SiLU-and-mul: the down projection's GEMV with fused_silu_down, its quantizer with
+    input (SiLU-and-mul: the down projection's GEMV (the SiLU-in-down fusion), its quantizer with
     MINISGL_FP8_FUSED_ACT; the RMSNorm writing quantized activations for q/k/v and gate/up,
     MINISGL_FP8_FUSED_ACT) or run as their own kernels: the same greedy tokens, decoding one
     request (GEMV) and six (GEMM)."""
@@ -184,7 +185,8 @@ def test_fp8_fused_activations_same_tokens(fp8_model: tuple[Path, Path]) -> None
     outs = []
     for fused in (True, False):
         with env.override({FP8_FUSED_ACT: fused}):
-            llm = LLM(str(fp8_model[0]), fused_silu_down=fused, **GRAPHS)  # type: ignore[arg-type]
+            options = dict(disable_fused_silu_down=not fused, **GRAPHS)
+            llm = LLM(str(fp8_model[0]), **options)  # type: ignore[arg-type]
             mlp = llm.engine.model.model.layers[0].mlp  # type: ignore[union-attr,index]
             assert mlp.down_proj.fusing_quant is not None and mlp.silu_in_down == fused
             assert mlp.gate_up_proj.fusing_quant is not None

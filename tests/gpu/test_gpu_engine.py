@@ -200,7 +200,7 @@ def test_silu_down_fusion_identical(tiny: Path) -> None:
     prompts, params = _workload()
     outs = []
     for disable in (True, False):
-        llm = LLM(str(tiny), fused_silu_down=not disable)
+        llm = LLM(str(tiny), disable_fused_silu_down=disable)
         mlps = [m for m in llm.engine.model.modules() if isinstance(m, GatedMLP)]
         assert mlps and all(m.down_proj.gemv_tiles is not None for m in mlps)
         assert all(m.silu_in_down == (not disable) for m in mlps)
@@ -220,10 +220,10 @@ def test_norm_gemv_fusion_teacher_forced(tiny: Path) -> None:
 
     prompt = list(range(10, 26))
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True, logprobs=True)
-    ref_llm = LLM(str(tiny))
+    ref_llm = LLM(str(tiny), disable_fused_norm_gemv=True)
     ref = ref_llm.generate([prompt], params, use_tqdm=False)[0]
     ref_llm.close()
-    llm = LLM(str(tiny), fused_norm_gemv=True)
+    llm = LLM(str(tiny))  # the fusion is on by default
     layers = [m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer)]
     assert layers and all(m.norm_in_gemv for m in layers)
     assert all(m.self_attn.qkv_proj.gemv_tiles is not None for m in layers)

@@ -166,7 +166,7 @@ def fp8_silu_forward(
 ) -> torch.Tensor | None:
     """`fp8_forward` of silu(gate) * up from a gated MLP's [gate | up], or None where the
     caller should run SiLU-and-mul's own kernel first: in the GEMV's rows unless ``in_gemv``
-    (the engine's fused_silu_down), elsewhere unless MINISGL_FP8_FUSED_ACT."""
+    (unless the engine's disable_fused_silu_down), elsewhere unless MINISGL_FP8_FUSED_ACT."""
     qweight, wscale = _buffers(layer)
     route = _route(qweight, wscale, gate_up.shape[0], gate_up.device)
     if not (in_gemv if route == "gemv" else FP8_FUSED_ACT.get()):
@@ -184,10 +184,11 @@ def fp8_norm_forward(
     in_gemv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(`fp8_forward` of rmsnorm(x + residual), x + residual): in the GEMV's one row with the
-    norm in its prologue where ``in_gemv`` (the engine's fused_norm_gemv); in the GEMM's with the
-    activations quantized by the norm's kernel (kernels/norm.add_rms_norm_quant: the same
-    bits as the norm, then the quantizer) unless MINISGL_FP8_FUSED_ACT is off. None where
-    the caller should run the norm first, or the inputs' dtype is not the norm weight's."""
+    norm in its prologue where ``in_gemv`` (unless the engine's disable_fused_norm_gemv); in
+    the GEMM's with the activations quantized by the norm's kernel
+    (kernels/norm.add_rms_norm_quant: the same bits as the norm, then the quantizer) unless
+    MINISGL_FP8_FUSED_ACT is off. None where the caller should run the norm first, or the
+    inputs' dtype is not the norm weight's."""
     qweight, wscale = _buffers(layer)
     route = _route(qweight, wscale, x.shape[0], x.device)
     if x.dtype != norm_weight.dtype:

@@ -59,7 +59,7 @@ def check_gemv_tile_rule(device: torch.device) -> None:
     from minisgl.kernels.gemv import gemv, gemv_choice
 
     g = torch.Generator().manual_seed(11)
-    for n, k in ((40, 3000), (1030, 8200), (1030, 4100), (1030, 1000)):
+    for n, k in ((40, 3000), (40, 2000), (1030, 8200), (1030, 4100), (1030, 1000), (4100, 1000)):
         tiles = gemv_choice(1, n, k)
         assert tiles is not None and tiles[0] == 1
         x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g) / k**0.5

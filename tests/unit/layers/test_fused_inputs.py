@@ -85,7 +85,7 @@ def test_column_layer_hands_its_norm_to_the_method() -> None:
 
 
 def test_gated_mlp_hands_its_silu_to_the_down_projection() -> None:
-    """GatedMLP.forward_gate_up passes the engine's fused_silu_down along; the bias joins
+    """GatedMLP.forward_gate_up passes the engine's SiLU-in-down fusion along; the bias joins
     once, after the product; a declining method leaves the two steps."""
     torch.manual_seed(1)
     method = FloatFusing()

@@ -307,7 +307,7 @@ def test_few_rows_route_by_weight_size() -> None:
 
 def test_silu_fusion_routes() -> None:
     """A down projection given [gate | up]: the GEMV's rows fuse the SiLU-and-mul only with
-    the engine's fused_silu_down (``in_gemv``), the GEMM's rows unless MINISGL_FP8_FUSED_ACT
+    the engine's SiLU-in-down fusion (``in_gemv``), the GEMM's rows unless MINISGL_FP8_FUSED_ACT
     is off; None (the caller's own SiLU-and-mul kernel) otherwise. Shapes only (meta
     tensors), the kernels replaced by recorders of their ``silu_x``."""
     from unittest import mock
@@ -343,7 +343,7 @@ def test_norm_fusion_routes() -> None:
     """A q/k/v or gate/up projection given its RMSNorm's input: the GEMM's rows quantize in
     the norm's kernel (scales column-major for cuBLAS) unless MINISGL_FP8_FUSED_ACT is off;
     the GEMV's one row (weight-only) takes the norm in the GEMV's prologue where the engine
-    allows it (fused_norm_gemv), else declines, as do its 2-4 rows. Shapes only (meta
+    allows it (the norm-in-GEMV fusion), else declines, as do its 2-4 rows. Shapes only (meta
     tensors), the kernels replaced by recorders."""
     from unittest import mock
 
