@@ -79,9 +79,8 @@ class Engine:
             self.model, config, self.resolved, self.hf_config, self.device, self.dtype
         )
         pack_model(self.model)  # CPU: weights reordered for oneDNN (see layers/cpu_linear.py)
-        set_batch1_fusions(
-            self.model, not config.disable_fused_silu_down, not config.disable_fused_norm_gemv
-        )
+        fusions = not config.disable_fused_silu_down, not config.disable_fused_norm_gemv
+        set_batch1_fusions(self.model, *fusions)  # batch-1 GEMV prologues (models/decoder_layer)
         self.pool = self._make_pool()
         self._make_page_table(share)
         self.stager = DeviceStager(self.device)
