@@ -6,9 +6,8 @@ Each program stores its own output columns into every peer's slot of that call a
 they are summed, so the rows travel while the GEMV's other programs still run, and the
 norm kernel only polls. The product is the core GEMV's arithmetic, step for step (same
 tiles, same order of summation), so the pushed rows are the plain GEMV's bits
-(tests/unit/extensions/peer_memory/test_all_reduce_norm.py compares them); a change to one is made in both.
-Tiles with FLAT set (an untimed variant of the core GEMV, off in every default) run here
-as FLAT 0: the same products summed in another order.
+(tests/unit/extensions/peer_memory/test_all_reduce_norm.py compares them, FLAT tiles
+included); a change to one is made in both.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import triton.language as tl
 
 from minisgl.extensions.peer_memory.kernels.all_reduce_norm import LamportPush, push, sendable
 from minisgl.kernels import GemvTiles, cdiv
-from minisgl.kernels.gemv import MAX_ROWS
+from minisgl.kernels.gemv import MAX_ROWS, tile_products
 from minisgl.kernels.pdl import pdl_args, pdl_wait
 
 
@@ -29,7 +28,7 @@ def _pushing_gemv_kernel(
     own_ptr, bufs_ptr, epochs_ptr, slot_elems,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     RANK: tl.constexpr, WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
-    NORM_BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    NORM_BLOCK_M: tl.constexpr, FLAT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -46,18 +45,20 @@ def _pushing_gemv_kernel(
     ranks = tl.arange(0, WORLD_P2)
     buf_addrs = tl.load(bufs_ptr + ranks, mask=ranks < WORLD, other=0)
     pdl_wait(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     x_mask0 = m_mask[:, None] & (offs_k < k_dim)[None, :]
     x0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask0, other=0.0)
-    acc += x0.to(tl.float32)[:, None, :] * w0.to(tl.float32)[None, :, :]
+    acc = tile_products(x0, w0, BLOCK_K, FLAT)
     for k0 in range(BLOCK_K, k_dim, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k_dim
         x_off = x_ptr + offs_m[:, None] * stride_xm + kk[None, :]
-        x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(x_off, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    y = tl.sum(acc, axis=2)
+        acc += tile_products(x, w, BLOCK_K, FLAT)
+    if FLAT:
+        y = tl.reshape(tl.sum(acc, axis=1), [BLOCK_M, BLOCK_N])
+    else:
+        y = tl.sum(acc, axis=2)
     elem_bytes: tl.constexpr = dtype.primitive_bitwidth // 8
     y_out = sendable(y.to(dtype), elem_bytes)
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -84,13 +85,13 @@ def pushing_gemv(
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    block_m, block_n, block_k, warps, stages = tiles[:5]  # the 3-D products: FLAT 0 only
+    block_m, block_n, block_k, warps, stages, flat = tiles
     world = lamport.bufs.numel()
     _pushing_gemv_kernel[(cdiv(n_cols, block_n),)](
         x, weight, out, rows, n_cols, k_dim, x.stride(0), weight.stride(0), out.stride(0),
         lamport.own, lamport.bufs, lamport.epochs, lamport.slot_elems,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, RANK=lamport.rank, WORLD=world,
         WORLD_P2=triton.next_power_of_2(world), NORM_BLOCK_M=lamport.block_m,
-        num_warps=warps, num_stages=stages, **pdl_args(),
+        FLAT=bool(flat) and block_m == 1, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
     return out

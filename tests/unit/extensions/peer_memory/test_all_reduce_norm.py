@@ -44,7 +44,7 @@ def _is_sentinel(t: torch.Tensor) -> torch.Tensor:
 
 def _run_group(
     device: torch.device, dtype: torch.dtype, world: int, rank: int, rows: int, d: int, res: bool,
-    sentinel_row: bool = False, gemv_k: int = 0,
+    sentinel_row: bool = False, gemv_k: int = 0, flat: bool = False,
 ) -> None:  # fmt: skip
     from minisgl.extensions.peer_memory.kernels.all_reduce_norm import (
         LamportPush,
@@ -72,8 +72,9 @@ def _run_group(
         if gemv_k:  # this rank's partial: a GEMV's output (the plain GEMV's bits)
             x_in = torch.randn(rows, gemv_k, generator=g).to(dtype).to(device)
             w_in = (torch.randn(d, gemv_k, generator=g) / gemv_k**0.5).to(dtype).to(device)
-            # Wide column blocks: few programs, for the interpreter's sake.
-            tiles = (1 << (rows - 1).bit_length(), 128, 64, 4, 1, 0)
+            # Wide column blocks: few programs, for the interpreter's sake. ``flat``: the
+            # one-row products in the weights' 2-D layout (the engine's small weights).
+            tiles = (1 << (rows - 1).bit_length(), 128, 64, 4, 1, int(flat))
             parts[rank] = gemv(x_in, w_in, tiles=tiles)
         if sentinel_row:  # a partial element with the sentinel's bits (a NaN)
             parts[rank].view(-1)[:1] = _sentinel(1, dtype, device)
@@ -159,6 +160,8 @@ def check_gemv_pushes_the_rows(device: torch.device) -> None:
     for dtype in (F32, BF16):
         for rank in (0, 1):
             _run_group(device, dtype, 2, rank, rows=1, d=96, res=True, gemv_k=64)
+        # FLAT tiles, over several K steps (the last one masked).
+        _run_group(device, dtype, 2, 1, rows=1, d=96, res=True, gemv_k=160, flat=True)
     _run_group(device, F16, 2, 1, rows=3, d=2048, res=True, gemv_k=32)
     _run_group(device, F16, 2, 0, rows=3, d=96, res=False, gemv_k=48)
     _run_group(device, F16, 4, 2, rows=2, d=256, res=True, gemv_k=32)
